@@ -1,0 +1,119 @@
+"""Clipped policy-gradient surrogates for GRPO, μ-GRPO and M2PO (paper Eq. 2 and the J_μ-GRPO objective of §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from megamu.algo.veto import veto_mask
+
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+
+
+@torch.no_grad()
+def m2po_mask(log_ratio: torch.Tensor, response_mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's second-moment trust region in its masking form: bool [B, T], True = kept.
+
+    The tokens with the largest (log ρ)² are masked, largest first, until the second moment
+    M2 = mean_{kept}(log ρ)² of the remaining response tokens is ≤ ``threshold`` (0.04 in the paper's baseline).
+    Choices, stated because implementations differ: the mean is normalised by the number of *kept* tokens, every
+    response token is eligible (no trust-region-quadrant gate on the sign of A), and M2 is computed per call, i.e. per
+    micro-batch when the caller splits a minibatch.
+    """
+    mask = response_mask.bool()
+    sq = torch.where(mask, log_ratio.detach().float() ** 2, torch.zeros((), dtype=torch.float32))
+    flat = sq[mask]
+    n = flat.numel()
+    if n == 0 or flat.mean() <= threshold:
+        return mask.clone()
+    ordered, order = torch.sort(flat, descending=True)
+    removed = torch.cat([torch.zeros(1), torch.cumsum(ordered, 0)[:-1]])  # sum of the k largest, k = 0..n-1
+    remaining = torch.arange(n, 0, -1, dtype=torch.float32)
+    ok = (flat.sum() - removed) / remaining <= threshold
+    k = int(torch.nonzero(ok)[0]) if bool(ok.any()) else n
+    keep_flat = torch.ones(n, dtype=torch.bool)
+    keep_flat[order[:k]] = False
+    out = mask.clone()
+    out[mask] = keep_flat
+    return out
+
+
+def aggregate(per_token: torch.Tensor, response_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] (already zero where masked) to a scalar.
+
+    Denominators count every response token and every sequence of the call, whatever the veto/clip did, as in
+    J_μ-GRPO (§4: 1/|B| Σ 1/T Σ m_t ...). That makes the loss of a minibatch an exact weighted sum of the losses of
+    its micro-batches: weights n_seq/N_seq for the seq-mean modes, n_tok/N_tok for token-mean.
+    """
+    mask = response_mask.to(per_token.dtype)
+    if aggregation == "seq-mean-token-mean":
+        lengths = mask.sum(dim=1).clamp(min=1)
+        return ((per_token * mask).sum(dim=1) / lengths).mean()
+    if aggregation == "token-mean":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if aggregation == "seq-mean-token-sum":
+        return (per_token * mask).sum(dim=1).mean()
+    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float | None = 0.2,
+    veto_threshold: float | None = None,
+    veto_scope: str = "sequence",
+    aggregation: str = "seq-mean-token-mean",
+    m2po_threshold: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The negated clipped surrogate −J and its diagnostics.
+
+    ρ_t = exp(logp − behaviour_logp); per token −min(ρ_t A, clip(ρ_t, 1 − clip_low, 1 + clip_high) A) (Eq. 2), with
+    A the response's advantage [B]. GRPO: clip_low = clip_high = 0.2. μ-GRPO: clip_low = 1, clip_high = 4 (range
+    [0, 5]) plus the negative-advantage veto (``veto_threshold`` τ = 1e-4, ``veto_scope``; see ``veto_mask``); under
+    that range an A < 0 token with ρ ∈ (0, 5) has ∂loss/∂logπ = |A| ρ (§3.2). ``clip_high=None`` removes the upper
+    bound. ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without gradient.
+
+    Returns (loss, stats); stats are detached floats: clip_fraction (response tokens whose clipped branch is active,
+    i.e. zero gradient), veto_token_fraction, veto_sequence_fraction, m2po_mask_fraction, ratio_mean,
+    ratio_neg_adv_mean (E[ρ | A < 0], the collapse signal of §3.2, NaN when no A < 0 token), log_ratio_min,
+    approx_kl (k3 estimate of KL(β ‖ π_θ) on β's samples: E[ρ − 1 − log ρ]), and the counts n_tokens, n_sequences,
+    n_neg_adv_tokens that callers need to average stats over micro-batches.
+    """
+    mask = response_mask.bool()
+    log_ratio = (logp.float() - behaviour_logp.float()).masked_fill(~mask, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float().view(-1, 1)
+    low = 1.0 - clip_low
+    high = float("inf") if clip_high is None else 1.0 + clip_high
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+
+    keep = veto_mask(log_ratio, advantages, mask, veto_threshold, veto_scope) if veto_threshold else mask.clone()
+    after_veto = keep.clone()
+    if m2po_threshold is not None:
+        keep &= m2po_mask(log_ratio, after_veto, m2po_threshold)
+    per_token = -surrogate * keep
+    loss = aggregate(per_token, mask, aggregation)
+
+    with torch.no_grad():
+        n_tok = int(mask.sum())
+        denom = max(n_tok, 1)
+        seq_has_tokens = mask.any(dim=1)
+        neg = mask & (adv < 0)
+        clipped = mask & (((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0)))
+        vetoed = mask & ~after_veto
+        stats = {
+            "clip_fraction": float(clipped.sum()) / denom,
+            "veto_token_fraction": float(vetoed.sum()) / denom,
+            "veto_sequence_fraction": float(vetoed.any(dim=1).sum()) / max(int(seq_has_tokens.sum()), 1),
+            "m2po_mask_fraction": float((after_veto & ~keep).sum()) / denom,
+            "ratio_mean": float(ratio[mask].mean()) if n_tok else float("nan"),
+            "ratio_neg_adv_mean": float(ratio[neg].mean()) if bool(neg.any()) else float("nan"),
+            "log_ratio_min": float(log_ratio[mask].min()) if n_tok else float("nan"),
+            "approx_kl": float((ratio - 1 - log_ratio)[mask].mean()) if n_tok else float("nan"),
+            "n_tokens": float(n_tok),
+            "n_sequences": float(logp.shape[0]),
+            "n_neg_adv_tokens": float(neg.sum()),
+        }
+    return loss, stats

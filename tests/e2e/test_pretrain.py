@@ -1,0 +1,180 @@
+"""End to end: `pretrain_mu_grpo.py` on a tiny random model with the in-process engine (issue: the staged trainer)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megamu.arguments import parse_args
+from megamu.tiny import save_tiny_model
+from tests.torchrun import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "pretrain_mu_grpo.py"
+MU, STAGES = 4, 2
+
+
+def flags(model: Path, save: Path, *extra: str) -> list[str]:
+    return [
+        "--hf-checkpoint", str(model), "--save", str(save), "--num-stages", str(STAGES), "--prompts-per-stage", "8",
+        "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
+        "--eval-prompts", "4", "--lr", "1e-3", "--reward-fn", "tests.e2e.rewards:has_digit", "--micro-batch-size", "4",
+        "--rollout-groups-per-shard", "2", "--save-interval", "2", "--seed", "7", *extra,
+    ]
+
+
+def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: bool = True):
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    if nproc == 1:
+        cmd = [sys.executable, str(SCRIPT), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def records(save: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def final_weights(save: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((save / "hf" / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("runs") / "reference"
+    launch(flags(tiny, save))
+    return save
+
+
+def test_uninterrupted_run_writes_everything(reference):
+    updates = records(reference, "update")
+    assert [u["update"] for u in updates] == list(range(STAGES * MU))
+    for u in updates:
+        for key in ("loss", "ratio_mean", "approx_kl", "clip_fraction", "veto_token_fraction", "ratio_neg_adv_mean",
+                    "reward_mean", "entropy", "grad_norm", "lr", "tokens_per_s"):
+            assert key in u, key
+    # θ = β at each stage's first update: model, converter and engine agree on every behaviour log-prob
+    for first in (updates[0], updates[MU]):
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert first["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    stages = records(reference, "stage")
+    assert [s["stage"] for s in stages] == list(range(STAGES))
+    assert all(s["t_rollout"] > 0 and s["t_train"] > 0 for s in stages)
+    assert len(records(reference, "run")) == 1
+    assert (reference / "latest_checkpointed_iteration.txt").read_text().strip() == str(STAGES * MU)
+    for k in range(STAGES):
+        assert (reference / "rollouts" / f"stage_{k}" / "manifest.json").exists()
+        assert (reference / "hf" / f"stage_{k}" / "config.json").exists()
+    assert list((reference / "tensorboard").glob("events.*"))
+    # the exported policy loads in transformers and differs from the initial one (training moved it)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(reference / "hf" / "final")
+    init = AutoModelForCausalLM.from_pretrained(reference / "hf" / "stage_0")
+    moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), init.parameters())]
+    assert any(moved)
+
+
+@pytest.mark.parametrize(
+    "crash_env",
+    [
+        {"MEGAMU_ROLLOUT_EXIT_AFTER_SHARD": "1"},  # mid-rollout (stage 0 has 4 shards)
+        {"MEGAMU_CRASH_AFTER": "update:3"},  # mid-optimisation: last checkpoint at update 2
+        {"MEGAMU_CRASH_AFTER": "stage:0"},  # between stages
+    ],
+    ids=["mid-rollout", "mid-optimisation", "between-stages"],
+)
+def test_kill_and_resume_is_bitwise_identical(tiny, reference, tmp_path, crash_env):
+    save = tmp_path / "run"
+    crashed = launch(flags(tiny, save), env=crash_env, check=False)
+    assert crashed.returncode != 0, "the crash hook did not fire"
+    assert not (save / "hf" / "final").exists()
+    launch(flags(tiny, save))
+    ref, got = final_weights(reference), final_weights(save)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    assert [u["update"] for u in records(save, "update")] == list(range(STAGES * MU))
+
+
+def test_tensor_parallel_2(tiny, reference, tmp_path):
+    save = tmp_path / "tp2"
+    launch(flags(tiny, save, "--tensor-model-parallel-size", "2"), nproc=2)
+    updates = records(save, "update")
+    assert len(updates) == STAGES * MU
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert updates[MU]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    # same weights and data at the first update: TP=2 reproduces TP=1's loss
+    assert updates[0]["loss"] == pytest.approx(records(reference, "update")[0]["loss"], abs=1e-5)
+    assert (save / "hf" / "final" / "config.json").exists()
+
+
+@pytest.mark.parametrize("preset", ["mu-grpo", "grpo", "grpo-high-staleness", "grpo-relaxed", "m2po"])
+def test_every_preset_runs_a_stage(tiny, tmp_path, preset):
+    extra = ["--algorithm", preset, "--num-stages", "1", "--eval-prompts", "0"]
+    if preset == "grpo":  # the standard-GRPO baseline: engine kept alive, weights pushed in memory
+        extra = ["--algorithm", preset, "--num-stages", "2", "--prompts-per-stage", "4", "--rollout-mode", "colocated",
+                 "--eval-prompts", "0"]
+    save = tmp_path / preset
+    launch(flags(tiny, save, *extra))
+    updates = records(save, "update")
+    assert updates and all(u["loss"] is not None for u in updates)
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    if preset == "grpo":
+        assert updates[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the in-memory push reached the engine
+    if preset in ("grpo-relaxed", "grpo", "grpo-high-staleness"):
+        assert all(u["veto_token_fraction"] == 0.0 for u in updates)
+    if preset != "m2po":
+        assert all(u["m2po_mask_fraction"] == 0.0 for u in updates)
+
+
+def test_dry_run_prints_plan_and_starts_nothing(tiny, tmp_path):
+    save = tmp_path / "dry"
+    proc = launch(flags(tiny, save, "--dry-run", "--mu", "4"))
+    plan = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("plan: "))
+    assert plan["total_updates"] == STAGES * MU and plan["samples_per_stage"] == 32 and plan["weight_syncs"] == STAGES
+    assert not save.exists()
+
+
+@pytest.mark.parametrize(
+    "bad, flag",
+    [
+        (["--mu", "3"], "--mu"),  # 8 prompts per stage, 2 per update: μ = 4
+        (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt"),
+        (["--prompts-per-update", "3"], "--prompts-per-update"),
+        (["--nav-threshold", "2"], "--nav-threshold"),
+        (["--lr", "0"], "--lr"),
+        (["--reward-fn", "nocolon"], "--reward-fn"),
+        (["--algorithm", "ppo"], "--algorithm"),
+        (["--hf-checkpoint", "/nonexistent/model"], "--hf-checkpoint"),
+    ],
+)
+def test_bad_flags_name_the_flag(tiny, tmp_path, bad, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags(tiny, tmp_path / "bad", *bad))
+    assert flag in str(e.value) + capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_prompt_file_is_a_clear_error(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="--prompt-data: .*nope.jsonl"):
+        parse_args(flags(tiny, tmp_path / "x", "--prompt-data", str(tmp_path / "nope.jsonl")))

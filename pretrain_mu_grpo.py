@@ -7,11 +7,15 @@ Run with no flags for the CPU demo; rerun the same command to resume.
 
 import os
 import time
+import warnings
 
 import torch
 
 from megamu import parallel
 from megamu.arguments import parse_args
+
+# megatron-core announces its fallbacks when Apex/TE are absent (always, on CPU); they are expected, not actionable.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
 
 
 def main(argv=None) -> None:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from (default: --save)")
     g.add_argument("--save-interval", type=int, default=0, help="updates between checkpoints (0: stage ends only)")
+    g.add_argument("--hf-export-interval", type=int, default=0,
+                   help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
     g.add_argument("--log-interval", type=int, default=1)
 
@@ -170,7 +172,7 @@ def validate(args: argparse.Namespace) -> AlgoConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             _error("--" + name.replace("_", "-"), f"must be a positive integer, got {getattr(args, name)}")
-    for name in ("save_interval", "lr_warmup_iters", "eval_prompts"):
+    for name in ("save_interval", "lr_warmup_iters", "eval_prompts", "hf_export_interval"):
         if getattr(args, name) < 0:
             _error("--" + name.replace("_", "-"), "must be >= 0")
     if args.lr <= 0:

@@ -61,7 +61,8 @@ class Run:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_source)
         self.train_prompts, self.eval_prompts = self._load_prompts()
-        self.engine = None  # alive across stages only in colocated mode
+        self.engine = None  # alive across stages only in colocated mode (rank 0)
+        self.engine_warm = False  # known on every rank: whether rank 0's colocated engine is up
         self.stage_records: list[dict] = []
         self.scorer = None
 
@@ -127,8 +128,12 @@ class Run:
         return [replace(p, prompt_id=j) for j, p in enumerate(picked)]
 
     # ---------------------------------------------------------------- phases
-    def export_policy(self, name: str) -> Path:
-        """Freeze θ as an HF folder (atomic; identical weights give an identical folder, so reuse a finished one)."""
+    def export_policy(self, name: str) -> Path | None:
+        """Freeze θ as an HF folder (atomic; identical weights give an identical folder, so reuse a finished one).
+
+        A colocated in-process engine takes the weights in memory instead, so no folder is written for it."""
+        if name.startswith("stage_") and self._push_in_memory():
+            return None
         out = self.save / "hf" / name
         if not (out / "config.json").exists():
             export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source)
@@ -141,15 +146,19 @@ class Run:
                               max_new_tokens=a.rollout_max_response_len, seed=a.seed + stage,
                               stop_token_ids=[self.tokenizer.eos_token_id])
 
-    def _engine_for(self, hf_dir: Path):
+    def _push_in_memory(self) -> bool:
+        """Colocated mode with the in-process engine already running (rank 0): weights go over as a state dict."""
+        return self.engine_warm and self.args.rollout_mode == "colocated" and self.args.rollout_engine == "local"
+
+    def _engine_for(self, hf_dir: Path | None, weights: dict | None = None):
         from megamu.reward.pool import RewardScorer
         from megamu.rollout import make_engine
 
         if self.scorer is None:
             self.scorer = RewardScorer(self.args.reward_fn) if self.args.reward_fn else RewardScorer()
-        if self.engine is not None:  # colocated: push the new weights in place
-            if self.args.rollout_engine == "local":
-                self.engine.update_weights(state_dict=self._hf_state_dict())
+        if self.engine is not None:  # colocated: the engine stays up, new weights are pushed in place
+            if weights is not None:
+                self.engine.update_weights(state_dict=weights)
             else:
                 self.engine.update_weights(hf_dir=str(hf_dir))
             return self.engine
@@ -157,27 +166,37 @@ class Run:
         if a.rollout_engine == "local":
             return make_engine("local", str(hf_dir), max_batch_size=a.rollout_batch_size)
         urls = a.sglang_url.split(",") if a.sglang_url else None
-        return make_engine("sglang", str(hf_dir), urls=urls, num_servers=a.sglang_num_servers, tp_size=a.sglang_tp_size)
-
-    def _hf_state_dict(self) -> dict:
-        return dict(mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch)))
+        engine = make_engine("sglang", str(hf_dir), urls=urls, num_servers=a.sglang_num_servers,
+                             tp_size=a.sglang_tp_size)
+        if urls:  # servers we did not start still hold the previous stage's weights
+            engine.update_weights(hf_dir=str(hf_dir))
+        return engine
 
     def rollout(self, stage: int, hf_dir: Path | None) -> StageDataset:
-        """β_k generates D_k = {(x, y, A, b_1:T)} on rank 0 (durable, resumable); every rank then reads it."""
+        """β_k generates D_k = {(x, y, A, b_1:T)} on rank 0 (durable, resumable); every rank then reads it.
+
+        Every rank's training state leaves the GPU meanwhile, so the engine gets the memory (§4)."""
         from megamu.rollout.phase import run_rollout_phase
 
         out = self.save / "rollouts" / f"stage_{stage}"
-        if parallel.is_main_rank() and not (out / "manifest.json").exists():
-            engine = self._engine_for(hf_dir)
+        parallel.barrier()  # every rank sees the same manifest state
+        if not (out / "manifest.json").exists():
+            # the gather is collective: every TP rank takes part, rank 0 keeps the result
+            weights = dict(mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))) \
+                if self._push_in_memory() else None
             with offloaded(self.model, self.optimizer):
-                run_rollout_phase(engine, self.stage_prompts(stage), out, sampling=self.sampling(stage),
-                                  n_samples=self.plan.n_samples_per_prompt, scorer=self.scorer,
-                                  tokenizer=self.tokenizer, stage=stage, policy_version=stage,
-                                  groups_per_shard=self.args.rollout_groups_per_shard, model_path=str(hf_dir))
-                if stage == 0 and self.eval_prompts:
-                    self.evaluate(engine, stage=0, label="base")
-            self._release(engine)
-        parallel.barrier()
+                if parallel.is_main_rank():
+                    engine = self._engine_for(hf_dir, weights)
+                    run_rollout_phase(engine, self.stage_prompts(stage), out, sampling=self.sampling(stage),
+                                      n_samples=self.plan.n_samples_per_prompt, scorer=self.scorer,
+                                      tokenizer=self.tokenizer, stage=stage, policy_version=stage,
+                                      groups_per_shard=self.args.rollout_groups_per_shard,
+                                      model_path=str(hf_dir or ""))
+                    if stage == 0 and self.eval_prompts:
+                        self.evaluate(engine, stage=0, label="base")
+                    self._release(engine)
+                parallel.barrier()
+            self.engine_warm = self.args.rollout_mode == "colocated"
         return StageDataset(out)
 
     def _release(self, engine) -> None:
@@ -212,6 +231,8 @@ class Run:
                             ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
             if self.update_in_stage == mu or (a.save_interval and self.update_in_stage % a.save_interval == 0):
                 self.checkpoint(stage)
+            if a.hf_export_interval and self.global_update % a.hf_export_interval == 0:
+                self.export_policy(f"iter_{self.global_update:07d}")  # for evaluate.py --run
             crash_point("update", self.global_update)
         bar.close()
         self.stage, self.update_in_stage = stage + 1, 0

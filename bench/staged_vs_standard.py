@@ -1,0 +1,72 @@
+"""μ-GRPO staged vs standard GRPO colocated (μ = 4), side by side in one run on the same tiny CPU setup.
+
+Same number of updates and of samples: staged runs S stages of μ = U/S updates; the baseline refreshes every 4 updates
+with the engine kept alive and weights pushed in memory. Prints wall-clock and rollout-time ratios and weight syncs.
+
+    .venv/bin/python bench/staged_vs_standard.py [--updates 32] [--stages 2] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megamu.tiny import save_tiny_model  # noqa: E402
+
+
+def run(model: Path, save: Path, flags: list[str]) -> dict:
+    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--hf-checkpoint", str(model), "--save", str(save),
+           "--eval-prompts", "0", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48",
+           "--reward-fn", "tests.e2e.rewards:has_digit", "--micro-batch-size", "16", "--seed", "3", *flags]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    stages = [r for r in rows if r["kind"] == "stage"]
+    return {
+        "wall_s": wall,
+        "t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
+        "t_rollout": sum(s["t_rollout"] for s in stages),
+        "t_export": sum(s["t_export"] for s in stages),
+        "t_train": sum(s["t_train"] for s in stages),
+        "weight_syncs": len(stages),
+        "updates": sum(r["kind"] == "update" for r in rows),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--updates", type=int, default=32)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--prompts-per-update", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_tiny_model(Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3,
+                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+        b = a.prompts_per_update
+        mu = a.updates // a.stages
+        staged = run(model, Path(tmp) / "staged", ["--algorithm", "mu-grpo", "--num-stages", str(a.stages),
+                                                   "--prompts-per-stage", str(mu * b), "--prompts-per-update", str(b)])
+        standard = run(model, Path(tmp) / "standard", [
+            "--algorithm", "grpo", "--rollout-mode", "colocated", "--num-stages", str(a.updates // 4),
+            "--prompts-per-stage", str(4 * b), "--prompts-per-update", str(b)])
+    print(f"{'':<22}{'μ-GRPO staged':>16}{'GRPO μ=4 coloc.':>18}{'ratio std/staged':>18}")
+    for key in ("t_total", "t_rollout", "t_export", "t_train", "weight_syncs", "updates"):
+        s, g = staged[key], standard[key]
+        ratio = f"{g / s:.2f}x" if s else "-"
+        print(f"{key:<22}{s:>16.2f}{g:>18.2f}{ratio:>18}")
+
+
+if __name__ == "__main__":
+    main()

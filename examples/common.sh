@@ -1,0 +1,93 @@
+# Shared by every example run script: the paper's App. B settings on 4xH200 (source it through a model.sh).
+#
+# Environment (all optional):
+#   GPUS=4            GPUs per node            NNODES=1, NODE_RANK=0, MASTER_ADDR, MASTER_PORT=29500 (multi-node)
+#   MODEL_ROOT=/models  where HF model folders live (HF_CHECKPOINT overrides the whole path)
+#   DATA_DIR=/data      PROMPT_DATA overrides the training file (default $DATA_DIR/deepscaler.jsonl)
+#   RUN_ROOT=runs       SAVE_DIR overrides the run directory (default $RUN_ROOT/<model>/<algorithm>)
+#   SGLANG_URL          URL[,URL] of running SGLang servers or an sglang-router (default: start one server per GPU)
+#   DRY_RUN=1           validate the flags and print the plan only (python, no torchrun, no GPU, no weights needed)
+#   PYTHON, TORCHRUN    interpreters to launch with (default python, torchrun)
+# Extra arguments to a run script are appended to the flags and win over them (argparse: last one counts).
+
+set -euo pipefail
+
+MEGAMU_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GPUS=${GPUS:-4}
+NNODES=${NNODES:-1}
+MAX_PROMPT_LEN=1024
+
+# Settings common to every method (App. B): AdamW, lr 1e-6 constant, betas (0.9, 0.999), wd 0.01, no KL term
+# (the trainer has none), binary math-verify reward, T = 1.0, G = 8 samples, B_mini = 32 prompt groups per update.
+paper_flags() {
+    local data="${PROMPT_DATA:-${DATA_DIR:-/data}/deepscaler.jsonl}"
+    PAPER_FLAGS=(
+        --hf-checkpoint "${HF_CHECKPOINT:-${MODEL_ROOT:-/models}/$HF_NAME}"
+        --prompt-data "$data"
+        --max-prompt-length "$MAX_PROMPT_LEN"
+        --rollout-max-response-len "$((CONTEXT_LEN - MAX_PROMPT_LEN))"
+        --n-samples-per-prompt 8
+        --prompts-per-update 32
+        --lr 1e-6 --lr-warmup-iters 0 --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.999 --clip-grad 1.0
+        --rollout-temperature 1.0 --rollout-top-p 1.0
+        --bf16 --transformer-impl transformer_engine
+        --tensor-model-parallel-size "$TP"
+        --micro-batch-size "$MICRO_BATCH_SIZE"
+        --rollout-engine sglang
+        --behaviour-logprobs engine
+        --rollout-groups-per-shard 256
+        --save-interval 200 --log-interval 1 --seed 1234
+        --eval-prompts 0
+    )
+    if [[ -n "${SGLANG_URL:-}" ]]; then
+        PAPER_FLAGS+=(--sglang-url "$SGLANG_URL")
+    else
+        # One server per GPU (TP 1): every model here fits one H200, and DP over servers decodes fastest. Servers
+        # started by the trainer live on rank 0's node; to roll out on every node use SGLANG_URL (docs/cluster.md).
+        PAPER_FLAGS+=(--sglang-num-servers "$GPUS" --sglang-tp-size 1)
+    fi
+}
+
+# megamu_launch METHOD FLAGS... : run pretrain_mu_grpo.py with the model's and the method's flags.
+megamu_launch() {
+    local method=$1
+    shift
+    paper_flags
+    local save="${SAVE_DIR:-${RUN_ROOT:-$MEGAMU_ROOT/runs}/$MODEL_NAME/$method}"
+    local flags=("${PAPER_FLAGS[@]}" --save "$save" "$@")
+    cd "$MEGAMU_ROOT"
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        # WORLD_SIZE lets the dry run check TP against the GPUs the real launch would have.
+        WORLD_SIZE=$((GPUS * NNODES)) exec "${PYTHON:-python}" pretrain_mu_grpo.py "${flags[@]}" --dry-run
+    fi
+    local dist=(--nproc_per_node "$GPUS")
+    if ((NNODES > 1)); then
+        dist+=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK on every node}"
+               --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29500}"
+               --rdzv_id "${RDZV_ID:-$MODEL_NAME-$method}")
+    fi
+    exec "${TORCHRUN:-torchrun}" "${dist[@]}" pretrain_mu_grpo.py "${flags[@]}"
+}
+
+# μ-GRPO (§4): 4 stages x μ = 1024 updates, relaxed clip [0, 5], sequence-scope negative-advantage veto at τ = 1e-4.
+run_mu_grpo() {
+    megamu_launch mu-grpo --algorithm mu-grpo --num-stages 4 --mu 1024 --rollout-mode staged \
+        --clip-low 1.0 --clip-high 4.0 --nav-threshold 1e-4 --nav-scope sequence "$@"
+}
+
+# Standard GRPO, low staleness: μ = 4, ε = 0.2, 1024 refreshes; the engine stays up and weights are pushed in place.
+run_grpo() {
+    megamu_launch grpo --algorithm grpo --num-stages 1024 --mu 4 --rollout-mode colocated \
+        --clip-low 0.2 --clip-high 0.2 "$@"
+}
+
+# GRPO at μ = 1024 through the same staged pipeline as μ-GRPO, default clip, no veto (isolates the stabiliser).
+run_grpo_high_staleness() {
+    megamu_launch grpo-high-staleness --algorithm grpo-high-staleness --num-stages 4 --mu 1024 --rollout-mode staged \
+        --clip-low 0.2 --clip-high 0.2 "$@"
+}
+
+# M2PO at μ = 1024 with the recommended second-moment threshold 0.04.
+run_m2po() {
+    megamu_launch m2po --algorithm m2po --num-stages 4 --mu 1024 --rollout-mode staged --m2po-threshold 0.04 "$@"
+}

@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Evaluate an HF folder, or every HF checkpoint of a run, on math benchmarks: avg@k pass@1 (the paper's App. B).
+
+    python tools/evaluate.py --hf-dir MODEL --data aime24=../shared/data/aime24.jsonl --data math500=...
+    python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --engine sglang --sglang-num-servers 4
+
+Defaults follow the paper: 16 samples for AIME24/25, 4 for AMC23 and MATH-500 (``--samples name=k`` overrides);
+prompts go through the training template (``load_prompts``), generation uses the training temperature and length.
+Writes ``<out>/<checkpoint>.json|.md`` and ``<out>/summary.json|.md`` (the best average over checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
+
+from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-dir", help="an HF model folder to evaluate")
+    src.add_argument("--run", help="a run's --save dir: evaluates every folder under RUN/hf/ and reports the best")
+    p.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
+                   help="benchmark JSONL/Parquet with problem/answer rows (repeatable)")
+    p.add_argument("--samples", action="append", default=[], metavar="NAME=K",
+                   help="samples per problem for one benchmark (default 16 for aime24/aime25, 4 otherwise)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark (quick runs)")
+    p.add_argument("--out", default=None, help="report folder (default RUN/eval, or eval/<name of --hf-dir>)")
+    g = p.add_argument_group("generation (use the training values)")
+    g.add_argument("--max-response-len", type=int, default=4096, help="= --rollout-max-response-len of training")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-prompt-length", type=int, default=1024)
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="drop problems whose prompt is over --max-prompt-length instead of failing")
+    g.add_argument("--prompt-key", default="problem")
+    g.add_argument("--answer-key", default="answer")
+    g.add_argument("--reward-fn", default="megamu.reward.math:math_score", help="module:function, as in training")
+    g.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per response before it scores 0")
+    g.add_argument("--reward-workers", type=int, default=None)
+    e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=["local", "sglang"], default="local")
+    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="local engine only")
+    e.add_argument("--max-batch-size", type=int, default=64, help="local engine only")
+    e.add_argument("--sglang-url", action="append", default=[],
+                   help="running SGLang server or router URL (repeatable); none: start servers")
+    e.add_argument("--sglang-num-servers", type=int, default=1)
+    e.add_argument("--sglang-tp-size", type=int, default=1)
+    p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
+    p.add_argument("--overwrite", action="store_true", help="re-evaluate checkpoints that already have a report")
+    args = p.parse_args(argv)
+    for flag, value in (("--limit", args.limit), ("--max-response-len", args.max_response_len)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    try:
+        args.benchmarks = parse_benchmarks(args.data, args.samples)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def engine_factory(args: argparse.Namespace):
+    """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights."""
+
+    def build(hf_dir: str):
+        from megamu.rollout import make_engine
+
+        if args.engine == "local":
+            import torch
+
+            return make_engine("local", hf_dir, dtype=getattr(torch, args.dtype), max_batch_size=args.max_batch_size)
+        urls = [u for spec in args.sglang_url for u in spec.split(",") if u]
+        engine = make_engine("sglang", hf_dir, urls=urls or None, num_servers=args.sglang_num_servers,
+                             tp_size=args.sglang_tp_size)
+        if urls:  # running servers serve whatever they loaded last: give them this checkpoint first
+            engine.update_weights(hf_dir=hf_dir)
+        return engine
+
+    return build
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from megamu.reward import RewardScorer
+
+    if args.run:
+        checkpoints = run_checkpoints(args.run)
+        out = Path(args.out or Path(args.run) / "eval")
+    else:
+        hf = Path(args.hf_dir)
+        if not (hf / "config.json").is_file():
+            raise SystemExit(f"--hf-dir {hf}: not an HF model folder (no config.json)")
+        checkpoints = [Checkpoint(hf.resolve().name, hf, None, None)]
+        out = Path(args.out or Path("eval") / hf.resolve().name)
+    settings = EvalSettings(
+        max_response_len=args.max_response_len, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        limit=args.limit, max_prompt_length=args.max_prompt_length,
+        skip_bad_rows=args.skip_bad_rows, prompt_key=args.prompt_key,
+        answer_key=args.answer_key, reward_fn=args.reward_fn,
+    )
+    with RewardScorer(args.reward_fn, timeout_s=args.reward_timeout, num_workers=args.reward_workers) as scorer:
+        summary = evaluate_checkpoints(
+            checkpoints, engine_factory(args), AutoTokenizer.from_pretrained, scorer, args.benchmarks, settings, out,
+            save_responses=args.save_responses, overwrite=args.overwrite,
+        )
+    print((out / "summary.md").read_text())
+    print(f"reports in {out}/")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

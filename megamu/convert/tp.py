@@ -1,0 +1,116 @@
+"""Tensor-parallel split and merge of canonical tensors: the one place that knows how each parameter is sharded.
+
+Works for anything shaped like a parameter (weights, Adam's exp_avg / exp_avg_sq), keyed by the canonical name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megamu.model.config import ModelArch, padded_vocab_size
+
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # column-parallel, whole KV groups
+_GLU = ("mlp.linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
+_COLS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # row-parallel: input dim split
+_REPLICATED = ("layernorm.weight", "layer_norm_weight")
+
+
+def _kind(name: str) -> str:
+    for kind, suffixes in (("vocab", _VOCAB), ("rows", _ROWS), ("glu", _GLU), ("cols", _COLS), ("rep", _REPLICATED)):
+        if name.endswith(suffixes):
+            return kind
+    raise KeyError(f"no tensor-parallel rule for tensor {name!r}")
+
+
+def shard_tensor(name: str, full: torch.Tensor, arch: ModelArch, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of the canonical (full, unpadded-vocab) tensor ``name``."""
+    kind = _kind(name)
+    if kind == "rep" or tp_size == 1 and kind != "vocab":
+        return full
+    if kind == "vocab":
+        if full.shape[0] != arch.vocab_size:
+            raise ValueError(f"{name}: expected {arch.vocab_size} vocab rows, got {tuple(full.shape)}")
+        pad = padded_vocab_size(arch.vocab_size, tp_size) - arch.vocab_size
+        if pad:  # padded rows are never sampled (log-probs mask them); zeros keep them inert
+            full = torch.cat((full, full.new_zeros(pad, *full.shape[1:])))
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    if kind == "rows":
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    if kind == "cols":
+        return full.chunk(tp_size, dim=1)[tp_rank]
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat((gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]))
+
+
+def gather_tensor(name: str, local: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """The canonical full tensor from every TP rank's ``local`` slice (a collective over the TP group).
+
+    At TP=1 (and for replicated tensors) the result is a view of ``local``, not a copy: clone before mutating it."""
+    from megatron.core import parallel_state
+
+    kind = _kind(name)
+    local = local.detach()
+    if kind == "rep":
+        return local
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:  # no copy: the layouts coincide, only vocab padding goes
+        return local[: arch.vocab_size] if kind == "vocab" else local
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    if kind == "vocab":
+        return torch.cat(parts)[: arch.vocab_size]
+    if kind == "rows":
+        return torch.cat(parts)
+    if kind == "cols":
+        return torch.cat(parts, dim=1)
+    halves = [p.chunk(2, dim=0) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+
+
+def _named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    from megamu.model.build import unwrap
+    from megamu.model.spec import canonical_param_name
+
+    for name, p in unwrap(model).named_parameters():
+        yield canonical_param_name(name), p
+
+
+def full_state_dict(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, full tensor) one at a time; every TP rank must iterate (each step is a collective)."""
+    for name, p in _named_parameters(model):
+        yield name, gather_tensor(name, p, arch)
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    model,
+    arch: ModelArch,
+    get_tensor: Callable[[str], torch.Tensor],
+    names: Collection[str] | None = None,
+) -> None:
+    """Copy canonical tensors into the (TP-sharded) model; ``names`` (all available tensors) enables the unexpected
+    check. Raises KeyError naming missing/unexpected tensors and the family, ValueError on shape mismatch."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    missing, loaded = [], set()
+    for name, p in _named_parameters(model):
+        try:
+            full = get_tensor(name)
+        except KeyError:
+            missing.append(name)
+            continue
+        local = shard_tensor(name, full, arch, rank, size)
+        if local.shape != p.shape:
+            raise ValueError(f"{arch.family} tensor {name}: checkpoint gives local shape {tuple(local.shape)} at "
+                             f"TP rank {rank}/{size}, model has {tuple(p.shape)}")
+        p.copy_(local)
+        loaded.add(name)
+    unexpected = sorted(set(names) - loaded) if names is not None else []
+    if missing or unexpected:
+        raise KeyError(f"{arch.family} model: missing tensors {missing}, unexpected tensors {unexpected}")

@@ -1,0 +1,81 @@
+"""Build a megatron-core GPTModel for a ModelArch (call megamu.parallel.init_distributed first)."""
+
+from __future__ import annotations
+
+import torch
+
+from megamu.model.config import ModelArch, padded_vocab_size, transformer_config
+from megamu.model.spec import finalize, layer_spec, position_embedding_kwargs
+
+
+def build_model(
+    arch: ModelArch,
+    *,
+    transformer_impl: str = "local",
+    params_dtype: torch.dtype = torch.float32,
+    bf16: bool = False,
+    perform_initialization: bool = True,
+):
+    """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
+    perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_model: call megamu.parallel.init_distributed(...) first")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = transformer_config(arch, tp=tp, params_dtype=params_dtype, bf16=bf16, transformer_impl=transformer_impl,
+                                perform_initialization=perform_initialization)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, transformer_impl),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_embeddings,
+        **position_embedding_kwargs(arch, transformer_impl),
+    )
+    finalize(model, arch, transformer_impl)
+    _mask_padded_vocab(model, arch, parallel_state.get_tensor_model_parallel_rank(), tp)
+    return model
+
+
+def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
+    """Give padded vocab entries -inf logits, so no log-softmax over the model's output ever puts mass on them."""
+    local = padded_vocab_size(arch.vocab_size, tp) // tp
+    start = tp_rank * local
+    if start + local <= arch.vocab_size:
+        return
+    pad = torch.arange(start, start + local) >= arch.vocab_size
+
+    def hook(module, args, output):
+        logits, bias = output
+        return logits.masked_fill(pad.to(logits.device), float("-inf")), bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
+def unwrap(model):
+    """The GPTModel inside Float16Module / DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def allreduce_tp_partial_grads(model) -> None:
+    """Sum over the TP group the gradients of replicated parameters that each rank only sees part of.
+
+    q/k norms are shared by all heads but each rank normalises only its own heads, so each holds a partial gradient.
+    Megatron's finalize_model_grads does this on the GPU path (megatron DDP); call it on CPU after backward, before the
+    data-parallel all-reduce. Sequence parallelism (GPU only) is not handled here.
+    """
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, p in unwrap(model).named_parameters():
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            torch.distributed.all_reduce(p.grad, group=group)

@@ -1,0 +1,157 @@
+"""The architecture of a supported HF causal LM, and the megatron-core TransformerConfig built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class ModelArch:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int  # true vocab (HF); the model pads it per TP size, see padded_vocab_size
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rope_theta: float
+    rope_scaling: dict | None  # None or {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config_or_dir: Any) -> ModelArch:
+        """From a transformers config object, or a folder / config.json path. Unsupported settings raise ValueError."""
+        cfg = config_or_dir
+        if isinstance(cfg, (str, Path)):
+            from transformers import AutoConfig
+
+            path = Path(cfg)
+            cfg = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+        family = getattr(cfg, "model_type", None)
+        if family not in FAMILIES:
+            raise ValueError(f"config.model_type={family!r} is not supported; expected one of {FAMILIES}")
+
+        def reject(field: str, bad) -> None:
+            value = getattr(cfg, field, None)
+            if value is not None and bad(value):
+                raise ValueError(f"{family} config.{field}={value!r} is not supported")
+
+        reject("hidden_act", lambda v: v != "silu")
+        reject("mlp_bias", bool)
+        reject("use_sliding_window", bool)
+        if family != "qwen2":  # Qwen2 always has q/k/v biases (its config has no flag); others must have none
+            reject("attention_bias", bool)
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if not rope:  # transformers 4.x
+            rope = dict(getattr(cfg, "rope_scaling", None) or {}, rope_theta=getattr(cfg, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{family} config.rope_parameters.rope_type={rope_type!r} is not supported; {ROPE_TYPES}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{family} config.rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']} "
+                             "is not supported")
+        scaling = None
+        if rope_type == "llama3":
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
+            if missing:
+                raise ValueError(f"{family} config.rope_parameters (llama3) lacks {missing}")
+            scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS}}
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(
+            family=family,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            ffn_hidden_size=cfg.intermediate_size,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            norm_eps=cfg.rms_norm_eps,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelArch:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"ModelArch: unknown fields {unknown}")
+        return cls(**d)
+
+    def check_tp(self, tp: int) -> None:
+        """TP splits whole KV groups (megatron's grouped QKV layout) and the SwiGLU width."""
+        for field in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+            if getattr(self, field) % tp:
+                raise ValueError(f"{self.family}: {field}={getattr(self, field)} is not divisible by TP={tp}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's rule: pad the vocab to a multiple of divisible_by * TP so every rank holds an equal slice."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(
+    arch: ModelArch,
+    *,
+    tp: int,
+    params_dtype: torch.dtype = torch.float32,
+    bf16: bool = False,
+    transformer_impl: str = "local",
+    perform_initialization: bool = True,
+):
+    from megatron.core.transformer import TransformerConfig
+
+    arch.check_tp(tp)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=perform_initialization,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )

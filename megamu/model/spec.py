@@ -1,0 +1,116 @@
+"""Layer specs: the ONE place where the CPU ("local") and GPU ("transformer_engine") models differ.
+
+local: megatron's local spec with a portable core attention that applies RoPE itself (megatron's RotaryEmbedding and
+DotProductAttention allocate on CUDA), causal, GQA, torch SDPA. transformer_engine: TE's fused layers with megatron's
+native RoPE, whose inverse frequencies we overwrite with HF's exact formula (megatron hard-codes llama3 constants).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megamu.model.config import ModelArch
+
+IMPLS = ("local", "transformer_engine")
+
+# TE fuses the pre-attention / pre-MLP norms into the following linear layer; canonical names are the local spec's.
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def canonical_param_name(name: str) -> str:
+    """Local-spec parameter name for a parameter of either spec (wrappers like Float16Module stripped by caller)."""
+    for te, local in _TE_TO_LOCAL.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """HF's inverse frequencies (default or llama3 scaling), computed exactly as transformers does, in fp32."""
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    s = arch.rope_scaling
+    if s is None:
+        return inv_freq
+    factor, low, high, old_ctx = (
+        s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    )
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class PortableAttention(torch.nn.Module):
+    """Causal GQA attention with HF-convention (non-interleaved) RoPE applied inside, on torch SDPA.
+
+    Positions are 0..s-1 for every sequence: right padding is safe (causality keeps real tokens from seeing it);
+    left padding and packed sequences are not supported. The attention mask argument is therefore ignored.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, arch: ModelArch):
+        super().__init__()
+        self.config = config
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, heads, d]
+        pos = torch.arange(x.shape[0], device=x.device, dtype=torch.float)
+        freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise NotImplementedError("PortableAttention does not support packed sequences")
+        q, k = self._rope(query), self._rope(key)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def layer_spec(arch: ModelArch, transformer_impl: str):
+    if transformer_impl == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = functools.partial(PortableAttention, arch=arch)
+        return spec
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected one of {IMPLS}")
+
+
+def position_embedding_kwargs(arch: ModelArch, transformer_impl: str) -> dict:
+    """GPTModel kwargs for positions: none on CPU (RoPE lives in PortableAttention), megatron RoPE with TE."""
+    if transformer_impl == "local":
+        return {"position_embedding_type": "none"}
+    return {"position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_base": int(arch.rope_theta)}
+
+
+def finalize(model, arch: ModelArch, transformer_impl: str) -> None:
+    """Make megatron's RoPE use HF's inverse frequencies (its llama3 scaling fixes low/high/context constants)."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if transformer_impl == "transformer_engine" and rope is not None:
+        rope.inv_freq = rope_inv_freq(arch).to(rope.inv_freq.device)

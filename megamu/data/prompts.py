@@ -1,0 +1,147 @@
+"""Prompt datasets: JSONL / Parquet rows of (problem, answer), or verl-style Parquet (chat ``prompt`` + ground truth).
+
+Every row is checked and tokenized before any generation starts, so a bad row fails the run in seconds with its
+file and row number instead of hours later.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+# The paper's instruction, appended to every problem after a space.
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class PromptDataError(ValueError):
+    """A prompt file or row that cannot be used; the message names the file and row."""
+
+
+@dataclass
+class PromptRecord:
+    prompt_id: int
+    prompt_ids: list[int]
+    answer: str
+    problem: str
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Rows of a .jsonl/.json/.parquet file as dicts; a line that is not a JSON object becomes an error row."""
+    if not path.exists():
+        raise PromptDataError(f"{path}: no such prompt file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
+    rows: list[dict] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                rows.append({"__error__": "empty line"})
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                rows.append({"__error__": f"invalid JSON ({e.msg} at column {e.colno})"})
+                continue
+            if not isinstance(row, dict):
+                row = {"__error__": f"expected a JSON object, got {type(row).__name__}"}
+            rows.append(row)
+    return rows
+
+
+def _answer_text(value) -> str | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return str(int(value)) if float(value).is_integer() else str(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    return None
+
+
+def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: str) -> tuple[list[dict], str, str]:
+    """(chat messages of the question, problem text, answer) of one row; raises ValueError with the reason."""
+    if "__error__" in row:
+        raise ValueError(row["__error__"])
+    if prompt_key not in row and isinstance(row.get("prompt"), list):
+        # verl layout: the chat messages already carry the instruction; the answer sits in reward_model.ground_truth.
+        messages = row["prompt"]
+        if not messages or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
+                                   for m in messages):
+            raise ValueError("'prompt' must be a non-empty list of {role, content} messages")
+        reward_model = row.get("reward_model") or {}
+        answer = _answer_text(reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
+        if answer is None:
+            raise ValueError("missing or empty 'reward_model.ground_truth'")
+        problem = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+        return [dict(role=m["role"], content=m["content"]) for m in messages], problem, answer
+    problem = row.get(prompt_key)
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError(f"missing or empty {prompt_key!r} (keys: {sorted(row)[:10]}; see --prompt-key)")
+    answer = _answer_text(row.get(answer_key))
+    if answer is None:
+        raise ValueError(f"missing or empty {answer_key!r} (keys: {sorted(row)[:10]}; see --answer-key)")
+    content = f"{problem.strip()} {instruction}" if instruction else problem.strip()
+    return [{"role": "user", "content": content}], problem, answer
+
+
+def render_prompt(tokenizer, messages: list[dict], few_shot: list[tuple[str, str]] = ()) -> list[int]:
+    """Token ids of ``few_shot`` turns then ``messages``, through the chat template when the tokenizer has one."""
+    turns = []
+    for user, assistant in few_shot:
+        turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    # A leading system message stays first.
+    if messages and messages[0]["role"] == "system":
+        turns = [messages[0], *turns]
+        messages = messages[1:]
+    turns += messages
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n\n".join(t["content"] for t in turns)
+    return list(tokenizer(text)["input_ids"])
+
+
+def load_prompts(
+    files: list[str],
+    tokenizer,
+    *,
+    prompt_key: str = "problem",
+    answer_key: str = "answer",
+    max_prompt_length: int = 1024,
+    skip_bad_rows: bool = False,
+    instruction: str = DEFAULT_INSTRUCTION,
+    few_shot: list[tuple[str, str]] = (),
+) -> list[PromptRecord]:
+    """Read, validate and tokenize all prompts; prompt ids are 0..N-1 in file then row order (rows are 1-based)."""
+    if isinstance(files, (str, Path)):
+        files = [files]
+    records: list[PromptRecord] = []
+    bad: list[str] = []
+    for file in files:
+        path = Path(file)
+        for row_no, row in enumerate(_read_rows(path), start=1):
+            try:
+                messages, problem, answer = _row_to_messages(row, prompt_key, answer_key, instruction)
+                ids = render_prompt(tokenizer, messages, few_shot)
+                if len(ids) > max_prompt_length:
+                    raise ValueError(f"prompt is {len(ids)} tokens, over --max-prompt-length {max_prompt_length}")
+            except ValueError as e:
+                bad.append(f"{path}: row {row_no}: {e}")
+                continue
+            records.append(PromptRecord(len(records), ids, answer, problem))
+    if bad and not skip_bad_rows:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise PromptDataError(
+            f"{len(bad)} bad prompt row(s) (use --skip-bad-rows to skip them):\n  " + "\n  ".join(bad[:10]) + more
+        )
+    if bad:
+        warnings.warn(f"skipped {len(bad)} bad prompt row(s); first: {bad[0]}", stacklevel=2)
+    if not records:
+        raise PromptDataError(f"no usable prompts in {[str(f) for f in files]}")
+    return records

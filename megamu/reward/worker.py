@@ -1,0 +1,42 @@
+"""Entry point of one reward worker process (started by ``megamu.reward.pool.RewardScorer``)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from megamu.reward.pool import READY, load_reward_fn
+
+
+def _worker_main(recv_fd: int, send_fd: int, spec: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
+    inbox, conn = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
+    try:
+        fn = load_reward_fn(spec)
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:  # warm-up: lazy imports (sympy, math-verify) must not count against the first item's timeout
+        fn("\\boxed{1}", "2")
+    except Exception:  # noqa: BLE001, S110 - a custom fn may reject the dummy input; that is fine
+        pass
+    conn.send(READY)
+    while True:
+        try:
+            msg = inbox.recv()
+        except EOFError:  # the parent is gone
+            return
+        if msg is None:
+            return
+        i, response, truth = msg
+        try:
+            score = float(fn(response, truth))
+        except Exception:  # noqa: BLE001 - a failing reward scores 0, like an unparseable answer
+            score = 0.0
+        conn.send((i, score))
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,195 @@
+"""In-process rollout engine: a transformers model and a hand-written batched sampling loop with a KV cache.
+
+Why not ``model.generate``: we need per-sample seeds that make a sample a pure function of (seed, prompt_id,
+sample_index) whatever else shares its batch, exact behaviour log-probs of the temperature-scaled full distribution
+(what SGLang returns), and finished rows dropped from the batch so the batch shrinks as replies end.
+
+Sampling is inverse-CDF with one uniform per step drawn from the sample's own generator, so a resumed rollout
+reproduces the same groups. (Different batch shapes can change logits in the last float bit; a sampled token only
+flips if its uniform lands within that distance of a CDF boundary, which is negligible.)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from megamu.rollout.types import GeneratedSample, GenerateRequest, SamplingParams, sample_seed
+
+
+@dataclass
+class _Row:
+    """One sample being generated."""
+
+    request_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    uniforms: torch.Tensor  # [max_new_tokens] float32, from the sample's own generator
+    stop_ids: set[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF; return (tokens [B], log-probs [B] of log_softmax(logits / T)).
+
+    ``temperature`` <= 0 means greedy (log-prob then at T = 1). ``top_k`` <= 0 and ``top_p`` >= 1 disable filtering.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    probs = logp.exp()
+    vocab = probs.shape[-1]
+    if bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1.0).any()):
+        probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab)[None, :]
+        drop_k = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        drop_p = (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+        probs = probs.masked_fill(drop_k | drop_p, 0.0)
+    else:
+        order = None
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    tokens = pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+class LocalEngine:
+    """Generate with a transformers causal LM in this process (the CPU default; same shapes as SGLangEngine)."""
+
+    name = "local"
+
+    def __init__(self, hf_dir: str, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
+                 progress: bool = False):
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.progress = progress
+        self._load(hf_dir)
+
+    def _load(self, hf_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.hf_dir = str(hf_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype).eval()
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        pad = self.model.generation_config.pad_token_id
+        self.pad_id = pad if isinstance(pad, int) else min(self.eos_ids, default=0)
+
+    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Reload from an HF folder, or copy an in-memory state dict with HF parameter names."""
+        if (hf_dir is None) == (state_dict is None):
+            raise ValueError("update_weights needs exactly one of hf_dir or state_dict")
+        if hf_dir is not None:
+            self._load(hf_dir)
+            return
+        # Check names before copying anything, so a bad dict never leaves the model half-updated.
+        expected = set(self.model.state_dict())
+        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        missing = sorted(expected - set(state_dict) - tied)
+        unexpected = sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(f"update_weights: state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.model.load_state_dict(state_dict, strict=False)
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
+        rows: list[_Row] = []
+        for i, req in enumerate(requests):
+            sp = req.sampling
+            if not req.prompt_ids:
+                raise ValueError(f"request {i} (prompt_id {req.prompt_id}) has an empty prompt")
+            seed = sp.seed if sp.seed is not None else random.getrandbits(63)
+            for j in range(sp.n):
+                gen = torch.Generator().manual_seed(sample_seed(seed, req.prompt_id, j))
+                uniforms = torch.rand(max(sp.max_new_tokens, 1), generator=gen, dtype=torch.float64).float()
+                rows.append(_Row(i, j, list(req.prompt_ids), sp, uniforms, self.eos_ids | set(sp.stop_token_ids)))
+        # Similar prompt lengths share a batch (less padding); a request's samples stay together so its prompt is
+        # prefilled once and the cache copied to its samples.
+        order = sorted(range(len(rows)), key=lambda r: (len(rows[r].prompt_ids), rows[r].request_index))
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(rows), desc="generate", unit="sample", leave=False)
+        for start in range(0, len(order), self.max_batch_size):
+            batch = [rows[r] for r in order[start : start + self.max_batch_size]]
+            self._generate_batch(batch)
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        return [
+            GeneratedSample(requests[r.request_index].prompt_id, r.sample_index, r.output_ids, r.output_logprobs,
+                            r.finish_reason)
+            for r in rows
+        ]
+
+    @torch.inference_mode()
+    def _generate_batch(self, rows: list[_Row]) -> None:
+        # Prefill each distinct request once (left-padded), then give every sample its own copy of the cache.
+        firsts: dict[int, int] = {}
+        for r in rows:
+            firsts.setdefault(r.request_index, len(firsts))
+        uniq = [next(r for r in rows if r.request_index == ri) for ri in firsts]
+        width = max(len(r.prompt_ids) for r in uniq)
+        ids = torch.full((len(uniq), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long)
+        for b, r in enumerate(uniq):
+            ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[b, width - len(r.prompt_ids) :] = 1
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        expand = torch.tensor([firsts[r.request_index] for r in rows])
+        cache = out.cache
+        cache.batch_select_indices(expand)
+        logits, mask, next_pos = out.logits[expand, -1], mask[expand], pos[expand, -1] + 1
+
+        active = list(rows)
+        temp = torch.tensor([r.sampling.temperature for r in active], dtype=torch.float32)
+        top_k = torch.tensor([r.sampling.top_k for r in active])
+        top_p = torch.tensor([r.sampling.top_p for r in active], dtype=torch.float32)
+        step = 0
+        while active:
+            uniforms = torch.stack([r.uniforms[min(step, len(r.uniforms) - 1)] for r in active])
+            tokens, logps = sample_tokens(logits, temp, top_k, top_p, uniforms)
+            keep = []
+            for b, (r, t, lp) in enumerate(zip(active, tokens.tolist(), logps.tolist())):
+                if r.sampling.max_new_tokens <= 0:
+                    continue
+                r.output_ids.append(t)
+                r.output_logprobs.append(lp)
+                if t in r.stop_ids:
+                    r.finish_reason = "stop"
+                elif len(r.output_ids) < r.sampling.max_new_tokens:
+                    keep.append(b)
+            step += 1
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                active = [active[b] for b in keep]
+                tokens, mask, next_pos = tokens[idx], mask[idx], next_pos[idx]
+                temp, top_k, top_p = temp[idx], top_k[idx], top_p[idx]
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                             cache=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1

@@ -1,0 +1,192 @@
+"""The rollout phase: prompts -> engine -> rewards -> group advantages -> durable stage dataset.
+
+Determinism: shard k always holds the groups of prompts[k*S:(k+1)*S], and each request's seed derives from
+(base seed, stage, prompt_id), so a phase resumed after a crash produces exactly the groups of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from megamu.data.prompts import PromptRecord
+from megamu.records import RolloutSample
+from megamu.rollout.dataset import (
+    MANIFEST,
+    StageManifest,
+    atomic_write,
+    group_stats,
+    read_manifest,
+    shard_info,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+from megamu.rollout.types import Engine, GenerateRequest, SamplingParams, derive_seed
+
+PLAN = "plan.json"
+# Test hook: exit abruptly after writing this shard index (simulates a crash mid-phase).
+EXIT_AFTER_SHARD_ENV = "MEGAMU_ROLLOUT_EXIT_AFTER_SHARD"
+
+
+def _score(scorer, responses: list[str], truths: list[str]) -> list[float]:
+    return scorer.score(responses, truths) if hasattr(scorer, "score") else list(scorer(responses, truths))
+
+
+def generate_groups(
+    engine: Engine,
+    prompts: list[PromptRecord],
+    sampling: SamplingParams,
+    n_samples: int,
+    scorer,
+    tokenizer,
+    *,
+    stage: int = 0,
+    policy_version: int = 0,
+) -> list[list[RolloutSample]]:
+    """One group of ``n_samples`` scored samples per prompt, with group advantages (Eq. 1); in memory.
+
+    ``scorer`` has ``score(responses, ground_truths) -> list[float]`` (e.g. ``RewardScorer``). A None
+    ``sampling.seed`` counts as 0, so every phase is reproducible.
+    """
+    from megamu.algo import group_advantages
+
+    base_seed = sampling.seed if sampling.seed is not None else 0
+    requests = [
+        GenerateRequest(p.prompt_id, p.prompt_ids, replace(sampling, n=n_samples,
+                                                           seed=derive_seed(base_seed, stage, p.prompt_id)))
+        for p in prompts
+    ]
+    out = engine.generate(requests)
+    expected = [(p.prompt_id, j) for p in prompts for j in range(n_samples)]
+    if [(s.prompt_id, s.sample_index) for s in out] != expected:
+        raise RuntimeError(f"engine {type(engine).__name__} returned samples out of order or incomplete "
+                           f"({len(out)} samples for {len(prompts)} prompts x {n_samples})")
+    texts = tokenizer.batch_decode([s.output_ids for s in out], skip_special_tokens=True)
+    rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)])
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(len(prompts), n_samples)).flatten().tolist()
+    samples = [
+        RolloutSample(
+            prompt_id=s.prompt_id, sample_index=s.sample_index, prompt_ids=list(prompts[i // n_samples].prompt_ids),
+            response_ids=s.output_ids, behaviour_logprobs=s.output_logprobs, reward=float(rewards[i]),
+            advantage=float(adv[i]), finish_reason=s.finish_reason, stage=stage, policy_version=policy_version,
+        )
+        for i, s in enumerate(out)
+    ]
+    return [samples[g * n_samples : (g + 1) * n_samples] for g in range(len(prompts))]
+
+
+def _check_plan(out: Path, plan: dict) -> None:
+    """Refuse to resume a directory that was started with different prompts or settings."""
+    path = out / PLAN
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != plan:
+            diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
+            raise RuntimeError(f"{out} holds a rollout started with different settings ({', '.join(diff)}); "
+                               "use a fresh directory or restore the original settings")
+    else:
+        atomic_write(path, lambda p: p.write_text(json.dumps(plan, indent=2)))
+
+
+def run_rollout_phase(
+    engine: Engine,
+    prompts: list[PromptRecord],
+    out_dir: str | Path,
+    *,
+    sampling: SamplingParams,
+    n_samples: int,
+    scorer,
+    tokenizer,
+    stage: int,
+    policy_version: int = 0,
+    groups_per_shard: int = 16,
+    shards_per_call: int = 1,
+    model_path: str = "",
+) -> StageManifest:
+    """Generate, score and write a whole stage, resuming at the first missing shard; returns the manifest.
+
+    ``shards_per_call`` > 1 hands the engine several shards' prompts at once (SGLang servers want hundreds of
+    requests in flight); each shard is still written on its own, so a crash loses at most one call's work.
+    """
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    if (out / MANIFEST).exists():
+        manifest = read_manifest(out)
+        if manifest.num_groups != len(prompts) or manifest.group_size != n_samples:
+            raise RuntimeError(f"{out / MANIFEST} is a finished stage of {manifest.num_groups} groups x "
+                               f"{manifest.group_size}, not {len(prompts)} x {n_samples}; use a fresh directory")
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    sampling = replace(sampling, n=n_samples, seed=sampling.seed if sampling.seed is not None else 0)
+    prompts_sha256 = hashlib.sha256(json.dumps([p.prompt_ids for p in prompts]).encode()).hexdigest()
+    _check_plan(out, dict(stage=stage, n_samples=n_samples, groups_per_shard=groups_per_shard,
+                          sampling=asdict(sampling), prompt_ids=[p.prompt_id for p in prompts],
+                          prompts_sha256=prompts_sha256))
+    chunks = [prompts[i : i + groups_per_shard] for i in range(0, len(prompts), groups_per_shard)]
+    done = [(out / shard_name(k)).exists() for k in range(len(chunks))]
+    todo = sum(len(c) for c, d in zip(chunks, done) if not d) * n_samples
+    if any(done):
+        print(f"[rollout] stage {stage}: resuming, {sum(done)}/{len(chunks)} shards already in {out}")
+    bar = tqdm(total=todo, desc=f"rollout stage {stage}", unit="sample", dynamic_ncols=True)
+    n_tokens, reward_sum, n_done, t0 = 0, 0.0, 0, time.monotonic()
+    missing = [k for k in range(len(chunks)) if not done[k]]
+    for c in range(0, len(missing), shards_per_call):
+        call = missing[c : c + shards_per_call]
+        t_call = time.monotonic()
+        groups = generate_groups(engine, [p for k in call for p in chunks[k]], sampling, n_samples, scorer,
+                                 tokenizer, stage=stage, policy_version=policy_version)
+        t_each = (time.monotonic() - t_call) / len(call)
+        for k in call:
+            shard, groups = groups[: len(chunks[k])], groups[len(chunks[k]) :]
+            write_shard(out, k, shard, t_generate_s=t_each)
+            flat = [s for g in shard for s in g]
+            n_tokens += sum(s.response_length for s in flat)
+            reward_sum += sum(s.reward for s in flat)
+            n_done += len(flat)
+            bar.update(len(flat))
+            if os.environ.get(EXIT_AFTER_SHARD_ENV) == str(k):
+                bar.close()
+                os._exit(17)
+        dt = max(time.monotonic() - t0, 1e-9)
+        bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
+                        reward=f"{reward_sum / n_done:.3f}")
+    bar.close()
+    manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path)
+    print(
+        f"[rollout] stage {stage}: {manifest.num_groups} groups x {n_samples} in {manifest.t_rollout_s:.1f}s | "
+        f"reward {manifest.reward_mean:.3f} | all-correct {manifest.all_correct_fraction:.2f} "
+        f"all-wrong {manifest.all_wrong_fraction:.2f} | truncated {manifest.truncation_rate:.2f} | "
+        f"mean length {manifest.mean_response_length:.1f}"
+    )
+    return manifest
+
+
+def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_version: int, sampling: SamplingParams,
+            engine, model_path: str) -> StageManifest:
+    """Checksum every shard, compute the statistics from what is on disk, and write the manifest last."""
+    import pyarrow.parquet as pq
+
+    infos, rewards, finish, lengths = [], [], [], []
+    for k in range(num_shards):
+        path = out / shard_name(k)
+        infos.append(shard_info(path))
+        cols = pq.read_table(path, columns=["reward", "finish_reason", "response_length"]).to_pydict()
+        rewards += [cols["reward"][i : i + group_size] for i in range(0, len(cols["reward"]), group_size)]
+        finish += cols["finish_reason"]
+        lengths += cols["response_length"]
+    manifest = StageManifest(
+        stage=stage, num_groups=len(rewards), group_size=group_size, num_shards=num_shards, shards=infos,
+        sampling=asdict(sampling), engine=getattr(engine, "name", type(engine).__name__), model_path=str(model_path),
+        policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
+        **group_stats(rewards, finish, lengths),
+    )
+    write_manifest(out, manifest)
+    return manifest

@@ -1,0 +1,112 @@
+"""A small HTTP server that speaks SGLang's /generate schema (notes/sglang.md), backed by LocalEngine.
+
+Faults can be queued to test the client: "503" (one error response), "drop" (close the connection without an
+answer), "sleep:S" (answer after S seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from megamu.rollout.types import GenerateRequest, SamplingParams
+
+
+class SchemaServer:
+    def __init__(self, engine, api_key: str = "secret"):
+        self.engine = engine
+        self.api_key = api_key
+        self.faults: list[str] = []
+        self.log: list[dict] = []  # every /generate body received, and what was answered
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def generate(self, body: dict):
+        ids, params, rids = body["input_ids"], body["sampling_params"], body.get("rid")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        results = []
+        for prompt, p, rid in zip(prompts, params, rids):
+            top_k = p.get("top_k", -1)
+            sp = SamplingParams(temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
+                                top_k=0 if top_k == -1 else top_k, max_new_tokens=p.get("max_new_tokens", 128),
+                                n=p.get("n", 1), stop_token_ids=p.get("stop_token_ids") or [],
+                                seed=p.get("sampling_seed"))
+            with self.lock:
+                samples = self.engine.generate([GenerateRequest(0, prompt, sp)])
+            for s in samples:  # n > 1: grouped by prompt, p0s0..p0s(n-1)
+                reason = ({"type": "stop", "matched": s.output_ids[-1]} if s.finish_reason == "stop"
+                          else {"type": "length", "length": len(s.output_ids)})
+                results.append({
+                    "text": "",
+                    "output_ids": s.output_ids,
+                    "meta_info": {
+                        "id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
+                        "completion_tokens": len(s.output_ids), "cached_tokens": 0, "weight_version": "default",
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)],
+                        "e2e_latency": 0.0,
+                    },
+                })
+        single = not batch and params[0].get("n", 1) == 1
+        return results[0] if single else results
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code: int, payload) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _authorized(self) -> bool:
+                if self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    self._reply(401, {"error": "bad api key"})
+                    return False
+                return True
+
+            def do_GET(self):
+                if self._authorized():
+                    self._reply(200, {} if self.path == "/health" else {"error": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not self._authorized():
+                    return
+                fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
+                if fault == "503":
+                    return self._reply(503, {"error": "injected overload"})
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if fault and fault.startswith("sleep:"):
+                    time.sleep(float(fault.split(":")[1]))
+                if self.path == "/generate":
+                    out = server.generate(body)
+                    server.log.append({"body": body, "response": out})
+                    return self._reply(200, out)
+                if self.path == "/update_weights_from_disk":
+                    with server.lock:
+                        server.engine.update_weights(body["model_path"])
+                    return self._reply(200, {"success": True, "message": "ok"})
+                self._reply(404, {"error": f"no route {self.path}"})
+
+        return Handler

@@ -1,0 +1,126 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megamu.rollout.local import LocalEngine, sample_tokens
+from megamu.rollout.types import GenerateRequest, SamplingParams
+
+
+def _requests(sampling, lengths=(3, 11, 6, 17)):
+    # Different prompt lengths so left padding and position ids matter.
+    return [GenerateRequest(100 + i, [(7 * i + k) % 90 + 4 for k in range(n)], sampling) for i, n in enumerate(lengths)]
+
+
+def _teacher_forced_logprobs(model, prompt, output, temperature):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_logprobs_equal_teacher_forced_recomputation(family, temperature, top_k, top_p, request):
+    hf_dir = request.getfixturevalue(family)
+    engine = LocalEngine(hf_dir, max_batch_size=5)  # 4 prompts x 3 samples: several batches, rows dropped mid-way
+    sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24, n=3, seed=5)
+    reqs = _requests(sp)
+    out = engine.generate(reqs)
+    assert [(s.prompt_id, s.sample_index) for s in out] == [(r.prompt_id, j) for r in reqs for j in range(3)]
+    ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for s in out:
+        prompt = next(r.prompt_ids for r in reqs if r.prompt_id == s.prompt_id)
+        assert len(s.output_ids) == len(s.output_logprobs) > 0
+        expected = _teacher_forced_logprobs(ref, prompt, s.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(s.output_logprobs), expected, atol=1e-5, rtol=0)
+        if top_k:  # top-k / top-p restrict the sampled token, not the log-prob's distribution
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + s.output_ids])).logits[0, len(prompt) - 1 : -1]
+            ranks = (logits > logits.gather(1, torch.tensor(s.output_ids)[:, None])).sum(-1)
+            assert int(ranks.max()) < top_k
+
+
+def test_greedy_matches_hf_generate(tiny_llama):
+    engine = LocalEngine(tiny_llama)
+    reqs = _requests(SamplingParams(temperature=0.0, max_new_tokens=16))
+    out = engine.generate(reqs)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for r, s in zip(reqs, out):
+        ref = model.generate(torch.tensor([r.prompt_ids]), do_sample=False, max_new_tokens=16)[0, len(r.prompt_ids) :]
+        assert s.output_ids == ref.tolist()[: len(s.output_ids)]
+        assert s.finish_reason == ("stop" if s.output_ids[-1] == 2 else "length")
+
+
+def test_seeded_samples_independent_of_batch_composition(tiny_llama):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, n=4, seed=11)
+    reqs = _requests(sp)
+    full = {(s.prompt_id, s.sample_index): s.output_ids for s in LocalEngine(tiny_llama).generate(reqs)}
+    small = LocalEngine(tiny_llama, max_batch_size=3)
+    alone = {(s.prompt_id, s.sample_index): s.output_ids for s in small.generate([reqs[2]])}
+    reordered = {(s.prompt_id, s.sample_index): s.output_ids for s in small.generate(reqs[::-1])}
+    assert alone == {k: v for k, v in full.items() if k[0] == reqs[2].prompt_id}
+    assert reordered == full
+    assert len({tuple(v) for v in full.values()}) == len(full)  # samples of a group differ
+    other = LocalEngine(tiny_llama).generate([GenerateRequest(reqs[2].prompt_id, reqs[2].prompt_ids,
+                                                              SamplingParams(max_new_tokens=20, n=4, seed=12))])
+    assert [s.output_ids for s in other] != list(alone.values())
+
+
+def test_stop_ids_and_length_limit(tiny_llama):
+    engine = LocalEngine(tiny_llama)
+    free = engine.generate(_requests(SamplingParams(max_new_tokens=30, n=2, seed=1)))
+    # Stop on the most frequent token of the free run: every sample must end at its first occurrence.
+    counts = torch.bincount(torch.tensor([t for s in free for t in s.output_ids]))
+    stop = int(counts.argmax())
+    out = engine.generate(_requests(SamplingParams(max_new_tokens=30, n=2, seed=1, stop_token_ids=[stop])))
+    assert any(s.finish_reason == "stop" for s in out)
+    for f, s in zip(free, out):
+        cut = next((i + 1 for i, t in enumerate(f.output_ids) if t in (stop, 2)), len(f.output_ids))
+        assert s.output_ids == f.output_ids[:cut]  # same seed: same prefix, cut at the stop token
+        assert s.finish_reason == ("stop" if s.output_ids[-1] in (stop, 2) else "length")
+        assert s.finish_reason == "stop" or len(s.output_ids) == 30
+
+
+def test_sampler_frequencies_match_filtered_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    n = 20000
+    u = torch.rand(n)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)]:
+        tokens, _ = sample_tokens(logits.expand(n, -1), torch.full((n,), temperature), torch.full((n,), top_k),
+                                  torch.full((n,), top_p), u)
+        probs = torch.softmax(logits[0] / temperature, -1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(12, dtype=torch.bool)
+        mass = 0.0
+        for rank, t in enumerate(order.tolist()):  # reference filter, written independently
+            if (top_k and rank >= top_k) or mass >= top_p:
+                break
+            keep[t] = True
+            mass += float(probs[t])
+        expected = torch.where(keep, probs, torch.zeros(())) / probs[keep].sum()
+        freq = torch.bincount(tokens, minlength=12).float() / n
+        assert float((freq - expected).abs().max()) < 0.015
+        assert not bool(freq[~keep].any())
+
+
+def test_update_weights_from_folder_and_state_dict(tiny_llama, tmp_path):
+    from megamu.tiny import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "other", "llama", seed=3)
+    sp = SamplingParams(max_new_tokens=12, n=1, seed=2)
+    reqs = _requests(sp)[:2]
+    ref_model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    for how in ("folder", "state_dict"):
+        engine = LocalEngine(tiny_llama)
+        if how == "folder":
+            engine.update_weights(str(other))
+        else:
+            engine.update_weights(state_dict=ref_model.state_dict())
+        for r, s in zip(reqs, engine.generate(reqs)):
+            expected = _teacher_forced_logprobs(ref_model, r.prompt_ids, s.output_ids, 1.0)
+            torch.testing.assert_close(torch.tensor(s.output_logprobs), expected, atol=1e-5, rtol=0)
+    engine = LocalEngine(tiny_llama)
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(state_dict={"model.norm.weight": torch.full((64,), 3.0)})
+    assert not bool((engine.model.model.norm.weight == 3.0).any())  # nothing copied from a bad dict

@@ -1,0 +1,240 @@
+"""The optimiser: the one place where CPU and GPU training differ.
+
+CPU: ``torch.optim.AdamW``; gradients are SUMMED over the data-parallel group (the loss of each micro-batch is already
+scaled by its share of the global minibatch, see ``megamu.training.step``), clipped by the norm of the full model, then
+stepped. GPU: megatron-core DDP (``calculate_per_token_loss`` so it also sums) + DistributedOptimizer.
+
+Both expose the same small surface: ``zero_grad()``, ``step() -> (grad_norm, lr)``, ``state_dict()`` /
+``load_state_dict()`` for the scalar state (update count), and ``param_state(p)`` / ``load_param_state(p, state)`` for
+the Adam moments of one parameter as this rank's TP shard (complete over data parallelism), which
+``megamu.training.checkpoint`` turns into the TP-independent full layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megamu import parallel
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduce
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron's flag names (--lr, --weight-decay, --adam-beta1, ..., --clip-grad, --lr-warmup-iters).
+
+    The schedule is constant with an optional linear warmup: update k (0-based) uses lr * min(1, (k + 1) / warmup).
+    Weight decay skips biases and 1-D parameters (norms), as Megatron does.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+    lr_warmup_iters: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+
+    def lr_at(self, update: int) -> float:
+        if self.lr_warmup_iters and update < self.lr_warmup_iters:
+            return self.lr * (update + 1) / self.lr_warmup_iters
+        return self.lr
+
+
+def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> TorchAdamW | MegatronDistributedAdam:
+    """CPU -> TorchAdamW; CUDA -> megatron DDP + DistributedOptimizer (wraps ``model`` for gradient buffers)."""
+    if next(model.parameters()).is_cuda:
+        return MegatronDistributedAdam(model, cfg)
+    return TorchAdamW(model, cfg)
+
+
+class TorchAdamW:
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig):
+        self.cfg = cfg
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
+        no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=cfg.lr_at(0), betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+        )
+        self.iteration = 0  # completed updates: drives the LR schedule
+
+    def zero_grad(self) -> None:
+        for _, p in self.named_params:
+            p.grad = None
+
+    def _all_reduce_grads(self) -> None:
+        grads = []
+        for _, p in self.named_params:
+            if p.grad is None:  # a rank with no data this update still takes part in the reduction
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if parallel.dp_size() == 1:
+            return
+        # flat buckets: few collectives, and at most BUCKET_ELEMENTS of extra memory
+        bucket: list[torch.Tensor] = []
+        for i, g in enumerate(grads):
+            bucket.append(g)
+            if i == len(grads) - 1 or sum(t.numel() for t in bucket) + grads[i + 1].numel() > BUCKET_ELEMENTS:
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=parallel.dp_group())
+                for t, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    t.copy_(synced)
+                bucket = []
+
+    def _grad_norm(self) -> float:
+        # TP-sharded parameters contribute every shard; replicated ones (norms) only from TP rank 0.
+        first = parallel.tp_rank() == 0
+        sq = torch.zeros((), dtype=torch.float64)
+        for _, p in self.named_params:
+            if getattr(p, "tensor_model_parallel", False) or first:
+                sq += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) ** 2
+        if parallel.tp_size() > 1:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=parallel.tp_group())
+        return math.sqrt(float(sq))
+
+    def step(self) -> tuple[float, float]:
+        """All-reduce, clip, AdamW step. Returns (grad norm before clipping, learning rate used)."""
+        self._all_reduce_grads()
+        norm = self._grad_norm()
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm} at update {self.iteration}; not stepping")
+        if self.cfg.clip_grad > 0:
+            coeff = self.cfg.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                for _, p in self.named_params:
+                    p.grad.mul_(coeff)
+        lr = self.cfg.lr_at(self.iteration)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.iteration += 1
+        return norm, lr
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
+
+    def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """{"step", "exp_avg", "exp_avg_sq"} of parameter ``p`` (this rank's TP shard), None before its first step."""
+        st = self.opt.state.get(p)
+        return {"step": st["step"], **{k: st[k] for k in ADAM_STATES}} if st else None
+
+    def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.opt.state[p] = {
+            "step": torch.as_tensor(state["step"], dtype=torch.float32).clone(),
+            **{k: state[k].to(dtype=p.dtype, device=p.device).clone() for k in ADAM_STATES},
+        }
+
+
+class MegatronDistributedAdam:
+    """GPU path: megatron-core DDP + DistributedOptimizer. Untested here (no GPU in CI); kept to the documented API."""
+
+    def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.cfg = cfg
+        config = model.config
+        config.calculate_per_token_loss = True  # our loss is pre-scaled by global counts: DDP must sum, not average
+        self.ddp = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+                average_in_collective=False,
+            ),
+            module=model,
+        )
+        self.opt = get_megatron_optimizer(
+            McoreOptimizerConfig(
+                optimizer="adam", lr=cfg.lr_at(0), weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+                adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=config.bf16,
+                params_dtype=config.params_dtype, use_distributed_optimizer=True,
+            ),
+            [self.ddp],
+        )
+        self.iteration = 0
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self) -> tuple[float, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        lr = self.cfg.lr_at(self.iteration)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        ok, norm, _ = self.opt.step()
+        if not ok:
+            raise FloatingPointError(f"megatron optimizer skipped update {self.iteration} (non-finite gradients)")
+        self.iteration += 1
+        return float(norm), lr
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
+        for group in self.opt.param_groups:
+            group["step"] = self.iteration  # TE FusedAdam's bias correction counter
+
+    def _owner(self, p: torch.Tensor):
+        for opt in self.opt.chained_optimizers:
+            if p in getattr(opt, "model_param_group_index_map", {}):
+                return opt
+        return None
+
+    def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Each DP rank owns a contiguous range of every flattened parameter; summing the zero-filled pieces over the
+        # DP group rebuilds the full (TP-local) tensor: a collective, so every rank calls it for every parameter.
+        opt = self._owner(p)
+        full = {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for k in ADAM_STATES}
+        if opt is not None:
+            rng = opt._get_model_param_range_map(p)["param"]
+            local = opt._get_main_param_and_optimizer_states(p)
+            for k in ADAM_STATES:
+                if k in local:  # absent before the first update
+                    full[k][rng.start : rng.end] = local[k].view(-1).float()
+        for k in ADAM_STATES:
+            dist.all_reduce(full[k], group=parallel.dp_group())
+        return {"step": torch.tensor(float(self.iteration)), **{k: v.view(p.shape) for k, v in full.items()}}
+
+    def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        # Call after the model weights are loaded: the fp32 main copy is rebuilt from them.
+        opt = self._owner(p)
+        if opt is None:
+            return
+        if "exp_avg" not in opt._get_main_param_and_optimizer_states(p):
+            opt.init_state_fn(opt.optimizer, opt.config)  # megatron's Adam creates its moments lazily
+        rng = opt._get_model_param_range_map(p)["param"]
+        local = opt._get_main_param_and_optimizer_states(p)
+        tensors = {"param": p.detach().float().view(-1)[rng.start : rng.end].view_as(local["param"])}
+        for k in ADAM_STATES:
+            tensors[k] = state[k].to(p.device).float().view(-1)[rng.start : rng.end].view_as(local[k])
+        opt._set_main_param_and_optimizer_states(p, {**tensors, **({"step": local["step"]} if "step" in local else {})})
+        if isinstance(opt.optimizer, torch.optim.Adam):  # torch's Adam keeps a per-parameter step (TE's: per group)
+            opt.optimizer.state[local["param"]]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()

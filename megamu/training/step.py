@@ -1,0 +1,188 @@
+"""One optimiser update on one minibatch, split over data-parallel ranks and micro-batches.
+
+Loss scaling: ``policy_loss`` over a micro-batch is a mean over its sequences (seq-mean modes) or its response tokens
+(token-mean), with denominators that count every row / response token whatever the veto does. Multiplying it by
+n_seq(micro) / N_seq(minibatch), resp. n_tok(micro) / N_tok(minibatch), and SUMMING gradients over micro-batches and
+data-parallel ranks therefore gives exactly the gradient of ``policy_loss`` over the whole minibatch in one call.
+Every rank receives the whole minibatch, so the global counts need no communication.
+
+Exception: M2PO's mask (``m2po_threshold``) is defined per ``policy_loss`` call, so with it the update depends on the
+micro-batch split (see ``megamu.algo.loss.m2po_mask``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from megamu import parallel
+from megamu.algo import AlgoConfig, policy_loss
+from megamu.model import token_logprobs
+from megamu.records import RolloutSample
+from megamu.training.batch import (
+    PackedBatch,
+    data_parallel_bounds,
+    data_parallel_share,
+    pack,
+    split_micro_batches,
+    unpack_response,
+)
+
+ENTROPY_CHUNK_ELEMENTS = 2**23  # logits entries per entropy chunk (32 MiB in fp32)
+# policy_loss stats that are means over response tokens (re-weighted by token counts across micro-batches and ranks)
+TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ratio_mean", "approx_kl")
+
+
+def response_logprobs(
+    model, batch: PackedBatch, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy, without gradient) in the batch's response frame [b, width].
+
+    Like ``megamu.model.forward_logprobs`` but the log-softmax only runs over the columns that hold response tokens.
+    """
+    ids = batch.input_ids
+    b, s = ids.shape
+    position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
+    logits = model(ids, position_ids, None)[:, batch.first_column : -1]
+    targets = ids[:, batch.first_column + 1 :]
+    logp, _ = token_logprobs(logits, targets, temperature)
+    entropy = None
+    if with_entropy:  # a metric only: no graph, in chunks, so its vocab-sized temporaries stay small
+        width = logits.shape[1]
+        step = max(1, ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
+        with torch.no_grad():
+            entropy = torch.stack([
+                torch.cat([
+                    token_logprobs(logits[i : i + 1, j : j + step].detach(), targets[i : i + 1, j : j + step],
+                                   temperature, True)[1][0]
+                    for j in range(0, width, step)
+                ])
+                for i in range(b)
+            ])
+    return logp, entropy
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def train_step(
+    model,
+    optimizer,
+    samples: list[RolloutSample],
+    algo: AlgoConfig,
+    *,
+    micro_batch_size: int,
+    max_tokens_per_micro_batch: int | None = None,
+    temperature: float = 1.0,
+) -> dict[str, float]:
+    """One update on the minibatch ``samples`` (the same list on every rank). Returns metrics for the minibatch."""
+    if not samples:
+        raise ValueError("train_step needs a non-empty minibatch")
+    start = time.perf_counter()
+    device = _device(model)
+    seq_mode = algo.aggregation != "token-mean"
+    n_seq = len(samples)
+    n_tok = sum(s.response_length for s in samples)
+
+    local = data_parallel_share(samples, parallel.dp_rank(), parallel.dp_size())
+    # Shorter rows together waste less padding; the gradient is a sum over micro-batches, so the order is free.
+    local.sort(key=lambda s: len(s.prompt_ids) + s.response_length)
+    micro_batches = split_micro_batches(local, micro_batch_size, max_tokens_per_micro_batch) if local else []
+
+    # Sums over this rank's micro-batches, all-reduced over DP below.
+    sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", *TOKEN_STATS), 0.0)
+    sums["veto_sequence_fraction"] = 0.0
+    log_ratio_min = math.inf
+
+    optimizer.zero_grad()
+    for mb in micro_batches:
+        batch = pack(mb).to(device)
+        logp, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=True)
+        loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, **algo.loss_kwargs())
+        mb_tok = st["n_tokens"]
+        weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
+        (loss * weight).backward()
+
+        rows = float(batch.response_mask.any(dim=1).sum())
+        sums["loss"] += float(loss.detach()) * weight
+        sums["entropy"] += float((entropy * batch.response_mask).sum())
+        sums["tokens"] += mb_tok
+        sums["rows"] += rows
+        for k in TOKEN_STATS:
+            sums[k] += st[k] * mb_tok if mb_tok else 0.0
+        sums["veto_sequence_fraction"] += st["veto_sequence_fraction"] * rows
+        if st["n_neg_adv_tokens"]:
+            sums["neg_tokens"] += st["n_neg_adv_tokens"]
+            sums["ratio_neg_adv"] += st["ratio_neg_adv_mean"] * st["n_neg_adv_tokens"]
+        if mb_tok:
+            log_ratio_min = min(log_ratio_min, st["log_ratio_min"])
+
+    grad_norm, lr = optimizer.step()
+
+    keys = list(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    lr_min = torch.tensor([log_ratio_min], dtype=torch.float64, device=device)
+    if parallel.dp_size() > 1:
+        dist.all_reduce(totals, group=parallel.dp_group())
+        dist.all_reduce(lr_min, op=dist.ReduceOp.MIN, group=parallel.dp_group())
+    t = dict(zip(keys, totals.tolist()))
+    elapsed = time.perf_counter() - start
+
+    def per(key: str, denom: float) -> float:
+        return t[key] / denom if denom else float("nan")
+
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    metrics = {
+        "loss": t["loss"],
+        **{k: per(k, t["tokens"]) for k in TOKEN_STATS},
+        "veto_sequence_fraction": per("veto_sequence_fraction", t["rows"]),
+        "ratio_neg_adv_mean": per("ratio_neg_adv", t["neg_tokens"]),
+        "log_ratio_min": float(lr_min) if math.isfinite(float(lr_min)) else float("nan"),
+        "entropy": per("entropy", t["tokens"]),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "n_sequences": float(n_seq),
+        "n_tokens": float(n_tok),
+        "response_length_mean": n_tok / n_seq,
+        # every token the forward pass processed (prompts included), for the whole data-parallel group
+        "tokens_per_s": sum(len(s.prompt_ids) + s.response_length for s in samples) / elapsed,
+        "step_time_s": elapsed,
+        "reward_mean": float(rewards.mean()),
+        "advantage_mean": float(advantages.mean()),
+        "advantage_std": float(advantages.std()) if n_seq > 1 else 0.0,
+        "advantage_min": float(advantages.min()),
+        "advantage_max": float(advantages.max()),
+        "n_micro_batches": float(len(micro_batches)),
+    }
+    return metrics
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model, samples: list[RolloutSample], *, temperature: float = 1.0, micro_batch_size: int = 8,
+    max_tokens_per_micro_batch: int | None = None,
+) -> list[list[float]]:
+    """log π_θ of every response token of ``samples`` (same list on every rank), in order; DP ranks split the work."""
+    device = _device(model)
+    rank, size = parallel.dp_rank(), parallel.dp_size()
+    cuts = data_parallel_bounds(samples, size)
+    mine = range(cuts[rank], cuts[rank + 1])
+    order = sorted(mine, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_length)
+    results: dict[int, list[float]] = {}
+    done = 0
+    for chunk in split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch):
+        batch = pack(chunk).to(device)
+        logp, _ = response_logprobs(model, batch, temperature=temperature)
+        for i, values in zip(order[done : done + len(chunk)], unpack_response(logp, batch)):
+            results[i] = values
+        done += len(chunk)
+    if size > 1:
+        gathered: list[dict[int, list[float]] | None] = [None] * size
+        dist.all_gather_object(gathered, results, group=parallel.dp_group())
+        results = {k: v for part in gathered for k, v in part.items()}
+    return [results[i] for i in range(len(samples))]

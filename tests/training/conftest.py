@@ -1,0 +1,14 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def distributed():
+    """A world of one (gloo) with megatron's TP=1 groups, shared by the in-process training tests."""
+    import torch
+
+    from megamu import parallel
+
+    torch.set_num_threads(1)
+    parallel.init_distributed(tensor_model_parallel_size=1, seed=0)
+    yield
+    parallel.destroy_distributed()

@@ -1,0 +1,92 @@
+"""Checkpoint layout, kill-free resume (bitwise on CPU) and clear errors (TP resharding: test_parallel.py)."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from megamu.algo import ALGORITHM_PRESETS
+from megamu.model import build_model
+from megamu.training import (
+    CheckpointError,
+    OptimizerConfig,
+    build_optimizer,
+    compute_logprobs,
+    load_checkpoint,
+    save_checkpoint,
+    train_step,
+)
+from tests.training.helpers import make_samples, set_behaviour, tiny_model
+
+CFG = OptimizerConfig(lr=2e-3, lr_warmup_iters=3, weight_decay=0.1)
+ALGO = ALGORITHM_PRESETS["mu-grpo"]
+
+
+@pytest.fixture(scope="module")
+def run(distributed, tmp_path_factory):
+    """Two updates uninterrupted, with a checkpoint after the first; returns what a resume must reproduce."""
+    root = tmp_path_factory.mktemp("ckpt")
+    model, arch = tiny_model(root / "hf", family="qwen2", seed=3)  # untied embeddings and QKV bias
+    samples = make_samples(3, 4, arch.vocab_size, seed=2)
+    set_behaviour(samples, compute_logprobs(model, samples, micro_batch_size=4), noise=0.3)
+    opt = build_optimizer(model, CFG)
+    train_step(model, opt, samples, ALGO, micro_batch_size=4)
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    path = save_checkpoint(root / "save", 1, model, arch, opt, extra={"stage": 2, "update_offset": 9},
+                           hf_source_dir=root / "hf")
+    rng_after_save = (torch.rand(3), random.random(), np.random.rand())
+    second = train_step(model, opt, samples, ALGO, micro_batch_size=4)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(root=root, arch=arch, samples=samples, path=path, rng=rng_after_save, second=second, params=params)
+
+
+def fresh(arch):
+    torch.manual_seed(999)  # different random weights: everything must come from the checkpoint
+    model = build_model(arch)
+    return model, build_optimizer(model, CFG)
+
+
+def test_layout_is_atomic_and_megatron_named(run):
+    save = run["root"] / "save"
+    assert run["path"] == save / "iter_0000001"
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    state = json.loads((run["path"] / "state.json").read_text())
+    assert state["extra"] == {"stage": 2, "update_offset": 9} and state["optimizer"] == {"iteration": 1}
+    assert (run["path"] / "model" / "hf_meta" / "config.json").exists()  # a complete mcore folder
+
+
+def test_resume_gives_bitwise_identical_next_update(run):
+    model, opt = fresh(run["arch"])
+    extra = load_checkpoint(run["root"] / "save", model, run["arch"], opt)
+    assert extra == {"stage": 2, "update_offset": 9, "iteration": 1}
+    rng = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(rng[0], run["rng"][0]) and rng[1:] == run["rng"][1:]
+    second = train_step(model, opt, run["samples"], ALGO, micro_batch_size=4)
+    for k in ("loss", "grad_norm", "lr", "clip_fraction", "ratio_mean"):
+        assert second[k] == run["second"][k], k
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), run["params"][n]), n
+
+
+def test_no_checkpoint_and_corrupt_checkpoints(run, tmp_path):
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(tmp_path / "empty", model, run["arch"], opt) is None
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run["root"] / "save", broken)
+    shard = next((broken / "iter_0000001" / "optimizer").glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="iter_0000001"):
+        load_checkpoint(broken, model, run["arch"], opt)
+    (broken / "iter_0000001" / "state.json").unlink()
+    with pytest.raises(CheckpointError, match="state.json"):
+        load_checkpoint(broken, model, run["arch"], opt)
+    (broken / "latest_checkpointed_iteration.txt").write_text("oops")
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt.*'oops'"):
+        load_checkpoint(broken, model, run["arch"], opt)

@@ -82,9 +82,10 @@ def policy_loss(
     n_neg_adv_tokens that callers need to average stats over micro-batches.
     """
     mask = response_mask.bool()
-    log_ratio = (logp.float() - behaviour_logp.float()).masked_fill(~mask, 0.0)
+    dtype = torch.promote_types(logp.dtype, torch.float32)  # bf16 inputs are computed in fp32, fp64 stays fp64
+    log_ratio = (logp.to(dtype) - behaviour_logp.to(dtype)).masked_fill(~mask, 0.0)
     ratio = torch.exp(log_ratio)
-    adv = advantages.float().view(-1, 1)
+    adv = advantages.to(dtype).view(-1, 1)
     low = 1.0 - clip_low
     high = float("inf") if clip_high is None else 1.0 + clip_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)

@@ -47,7 +47,8 @@ def token_logprobs(
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = (logits.float() / temperature).contiguous()  # a fresh tensor: vocab_parallel_cross_entropy edits it in place
+    # at least fp32 (fp64 stays fp64); a fresh tensor, as vocab_parallel_cross_entropy edits it in place
+    z = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).contiguous()
     entropy = _vocab_parallel_entropy(z) if with_entropy else None
     logp = -vocab_parallel_cross_entropy(z.clone() if with_entropy else z, targets)
     return logp, entropy

@@ -68,6 +68,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> TorchAdamW 
 class TorchAdamW:
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig):
         self.cfg = cfg
+        self.model = model
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
         no_decay = [p for n, p in self.named_params if _no_weight_decay(n, p)]
@@ -114,6 +115,9 @@ class TorchAdamW:
 
     def step(self) -> tuple[float, float]:
         """All-reduce, clip, AdamW step. Returns (grad norm before clipping, learning rate used)."""
+        from megamu.model import allreduce_tp_partial_grads
+
+        allreduce_tp_partial_grads(self.model)  # Qwen3 q/k norms: each TP rank holds part of the gradient
         self._all_reduce_grads()
         norm = self._grad_norm()
         if not math.isfinite(norm):

@@ -10,7 +10,7 @@ from megamu.algo import AlgoConfig, group_advantages, policy_loss
 from megamu.records import RolloutSample
 
 
-def tiny_model(hf_dir: str | Path, family: str = "llama", seed: int = 0, **overrides):
+def tiny_model(hf_dir: str | Path, family: str = "llama", seed: int = 0, params_dtype=torch.float32, **overrides):
     """(model, arch) of a random tiny HF model written to ``hf_dir`` (reused when present) and loaded into megatron."""
     from megamu.convert.checkpoint import load_hf_into_model
     from megamu.model import ModelArch, build_model
@@ -20,7 +20,7 @@ def tiny_model(hf_dir: str | Path, family: str = "llama", seed: int = 0, **overr
     if not (hf_dir / "config.json").exists():
         save_tiny_model(hf_dir, family, seed, **overrides)
     arch = ModelArch.from_hf(hf_dir)
-    model = build_model(arch)
+    model = build_model(arch, params_dtype=params_dtype)
     load_hf_into_model(model, arch, hf_dir)
     return model, arch
 

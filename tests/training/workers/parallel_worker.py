@@ -64,13 +64,13 @@ def close_logprobs(a: list[list[float]], b: list[list[float]], tol: float) -> fl
 def main(hf_dir: str, ckpt_dir: str) -> None:
     torch.set_num_threads(1)
     parallel.init_distributed(tensor_model_parallel_size=1)  # world 2: TP=1, DP=2
-    model, arch = tiny_model(hf_dir)
+    # 1. DP=2 reproduces policy_loss over the whole minibatch (computed locally, in one call). In fp64, so that what
+    # is compared is the loss scaling, not fp32 rounding of differently shaped micro-batches (~1e-6 on its own).
+    model, arch = tiny_model(hf_dir, params_dtype=torch.float64)
     samples = make_samples(4, 4, arch.vocab_size, seed=1)
     lp = compute_logprobs(model, samples, micro_batch_size=3)
     set_behaviour(samples, lp, noise=0.4)
     add_triggers(samples, lp, n_veto=2, n_clip=2)
-
-    # 1. DP=2 reproduces policy_loss over the whole minibatch (computed locally, in one call)
     for aggregation in AGGREGATIONS:
         algo = AlgoConfig("t", clip_low=0.2, clip_high=0.2, veto_threshold=1e-4, aggregation=aggregation)
         model.zero_grad(set_to_none=True)
@@ -85,9 +85,9 @@ def main(hf_dir: str, ckpt_dir: str) -> None:
         for k in ("clip_fraction", "veto_token_fraction", "veto_sequence_fraction", "ratio_neg_adv_mean", "approx_kl"):
             assert abs(m[k] - ref_stats[k]) <= 1e-5 * max(1.0, abs(ref_stats[k])), (aggregation, k, m[k], ref_stats[k])
         log(f"DP=2 {aggregation}: max rel grad diff {diff:.2e}")
-    model.zero_grad(set_to_none=True)
 
     # 2. one μ-GRPO update at TP=1 (DP=2) ...
+    model, arch = tiny_model(hf_dir)
     opt = build_optimizer(model, CFG)
     m1 = train_step(model, opt, samples, MU, micro_batch_size=3)
     p1 = full(model, arch)

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m2po-threshold", type=float, default=None)
     g.add_argument("--loss-aggregation", choices=AGGREGATIONS, default=None)
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
+    g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")

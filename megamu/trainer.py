@@ -19,6 +19,7 @@ from megamu.algo import AlgoConfig
 from megamu.arguments import BUILTIN_DATA
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.mapping import mcore_to_hf_tensors
+from megamu.data.prompts import stop_token_ids
 from megamu.metrics import MetricsLogger
 from megamu.model import ModelArch, build_model
 from megamu.rollout.dataset import StageDataset
@@ -53,6 +54,9 @@ class Run:
         self.hf_source = resolve_hf_checkpoint(args.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
         impl = args.transformer_impl or default_transformer_impl()
+        if args.bf16 and not torch.cuda.is_available():
+            raise SystemExit("pretrain_mu_grpo.py: error: --bf16: needs a GPU (the CPU optimiser keeps no fp32 master "
+                             "weights, so CPU runs train in fp32)")
         self.model = build_model(self.arch, transformer_impl=impl, bf16=args.bf16)
         self.optimizer = build_optimizer(self.model, OptimizerConfig(
             lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
@@ -144,7 +148,7 @@ class Run:
         a = self.args
         return SamplingParams(temperature=a.rollout_temperature, top_p=a.rollout_top_p,
                               max_new_tokens=a.rollout_max_response_len, seed=a.seed + stage,
-                              stop_token_ids=[self.tokenizer.eos_token_id])
+                              stop_token_ids=stop_token_ids(self.tokenizer))
 
     def _push_in_memory(self) -> bool:
         """Colocated mode with the in-process engine already running (rank 0): weights go over as a state dict."""
@@ -222,7 +226,7 @@ class Run:
                 samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
             stats = train_step(self.model, self.optimizer, samples, self.algo, micro_batch_size=a.micro_batch_size,
                                max_tokens_per_micro_batch=a.max_tokens_per_micro_batch,
-                               temperature=a.rollout_temperature)
+                               temperature=a.rollout_temperature, skip_zero_advantage=a.skip_zero_advantage)
             self.update_in_stage += 1
             if self.update_in_stage % a.log_interval == 0 or self.update_in_stage == mu:
                 self.metrics.log("update", step=self.global_update, stage=stage, update=self.global_update - 1, **stats)
@@ -314,21 +318,23 @@ class Run:
 
 
 class offloaded:
-    """On GPU the training state leaves device memory while the engine generates (§4 System-Level Efficiency)."""
+    """While the engine generates, the trainer gives back the GPU memory it does not need (§4 System-Level Efficiency).
+
+    Only the caching allocator's free blocks are released. Moving parameters and optimiser state off the device is
+    not done: under megatron DDP the parameters are views into contiguous buffers that a plain ``.cpu()`` would
+    detach from the optimiser, silently. Size SGLang's --mem-fraction-static to what the trainer keeps resident.
+    """
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
-        self.active = torch.cuda.is_available()
 
     def __enter__(self):
-        if self.active:
-            self.model.cpu()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return self
 
     def __exit__(self, *exc):
-        if self.active:
-            self.model.cuda()
+        return None
 
 
 def crash_point(kind: str, index: int) -> None:

@@ -145,3 +145,8 @@ def load_prompts(
     if not records:
         raise PromptDataError(f"no usable prompts in {[str(f) for f in files]}")
     return records
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The stop rule shared by training and evaluation: the tokenizer's EOS (engines add the model's own EOS ids)."""
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

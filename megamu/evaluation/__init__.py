@@ -13,7 +13,6 @@ from megamu.evaluation.runner import (
     evaluate_model,
     markdown_table,
     parse_benchmarks,
-    stop_token_ids,
 )
 
 __all__ = [
@@ -32,7 +31,6 @@ __all__ = [
     "parse_benchmarks",
     "read_metrics",
     "run_checkpoints",
-    "stop_token_ids",
     "summary_markdown",
     "update_records",
 ]

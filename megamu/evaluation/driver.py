@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from megamu.data.prompts import stop_token_ids
 from megamu.evaluation.run import Checkpoint
-from megamu.evaluation.runner import Benchmark, EvalReport, EvalSettings, evaluate_model, markdown_table, stop_token_ids
+from megamu.evaluation.runner import Benchmark, EvalReport, EvalSettings, evaluate_model, markdown_table
 from megamu.rollout.types import Engine
 
 

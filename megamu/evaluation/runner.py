@@ -103,11 +103,6 @@ def parse_benchmarks(data: list[str], samples: list[str] = ()) -> list[Benchmark
     return out
 
 
-def stop_token_ids(tokenizer) -> list[int]:
-    """The trainer's stop rule (``Run.sampling``): the tokenizer's EOS, so evaluation decodes as training did."""
-    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-
 def _group(samples: list[GeneratedSample], requests: list[GenerateRequest], k: int, name: str) -> list[list]:
     """Samples indexed [request][sample_index], checking the engine returned exactly k per request."""
     by_id = {r.prompt_id: i for i, r in enumerate(requests)}

@@ -39,6 +39,11 @@ def build_model(
     )
     finalize(model, arch, transformer_impl)
     _mask_padded_vocab(model, arch, parallel_state.get_tensor_model_parallel_rank(), tp)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        # bf16 weights and activations, fp32 logits out; the fp32 master weights live in the GPU optimizer
+        model = Float16Module(config, model)
     return model
 
 

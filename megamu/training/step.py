@@ -78,8 +78,15 @@ def train_step(
     micro_batch_size: int,
     max_tokens_per_micro_batch: int | None = None,
     temperature: float = 1.0,
+    skip_zero_advantage: bool = False,
 ) -> dict[str, float]:
-    """One update on the minibatch ``samples`` (the same list on every rank). Returns metrics for the minibatch."""
+    """One update on the minibatch ``samples`` (the same list on every rank). Returns metrics for the minibatch.
+
+    ``skip_zero_advantage``: samples with A = 0 (groups whose rewards are all equal) contribute exactly zero loss and
+    gradient, so their forward/backward can be skipped without changing the update; the denominators still count them.
+    Token statistics (ratio, entropy, clip/veto fractions) are then over the trained samples only, and M2PO's
+    per-call second moment excludes them.
+    """
     if not samples:
         raise ValueError("train_step needs a non-empty minibatch")
     start = time.perf_counter()
@@ -89,6 +96,8 @@ def train_step(
     n_tok = sum(s.response_length for s in samples)
 
     local = data_parallel_share(samples, parallel.dp_rank(), parallel.dp_size())
+    if skip_zero_advantage:
+        local = [s for s in local if s.advantage != 0.0]
     # Shorter rows together waste less padding; the gradient is a sum over micro-batches, so the order is free.
     local.sort(key=lambda s: len(s.prompt_ids) + s.response_length)
     micro_batches = split_micro_batches(local, micro_batch_size, max_tokens_per_micro_batch) if local else []
@@ -149,7 +158,7 @@ def train_step(
         "n_sequences": float(n_seq),
         "n_tokens": float(n_tok),
         "response_length_mean": n_tok / n_seq,
-        # every token the forward pass processed (prompts included), for the whole data-parallel group
+        # every token of the minibatch (prompts included; skipped samples too), for the whole data-parallel group
         "tokens_per_s": sum(len(s.prompt_ids) + s.response_length for s in samples) / elapsed,
         "step_time_s": elapsed,
         "reward_mean": float(rewards.mean()),
@@ -158,6 +167,7 @@ def train_step(
         "advantage_min": float(advantages.min()),
         "advantage_max": float(advantages.max()),
         "n_micro_batches": float(len(micro_batches)),
+        "trained_sample_fraction": t["rows"] / n_seq,
     }
     return metrics
 

@@ -4,18 +4,7 @@ import time
 import pytest
 
 from megamu.reward import RewardScorer, load_reward_fn, math_score, score_batch
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.processes import pid_alive
 
 
 def test_load_reward_fn():
@@ -42,7 +31,7 @@ def test_crashing_worker_is_replaced_and_no_process_leaks():
     assert scorer.num_crashes == 1
     pids = [w.proc.pid for w in scorer._workers]
     scorer.close()
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     with pytest.raises(RuntimeError, match="closed"):
         scorer.score(["a"], ["a"])
 

@@ -1,5 +1,4 @@
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from megamu.rollout import make_engine
 from megamu.rollout.local import LocalEngine
 from megamu.rollout.sglang import SGLangEngine, SGLangError, _stop_processes
 from megamu.rollout.types import GenerateRequest, SamplingParams
+from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
 
 
@@ -130,19 +130,7 @@ def test_real_sglang_server_logprobs(tiny_llama):
     finally:
         pids = engine.pids
         engine.shutdown()
-    assert pids and not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert pids and not any(pid_alive(p) for p in pids)
 
 
 STUBBORN_SERVER = """
@@ -164,9 +152,9 @@ def test_shutdown_kills_the_server_process_group():
     _stop_processes([proc], grace_s=0.5)
     assert time.monotonic() - t0 < 5
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(proc.pid) and not _alive(child)
+    assert not pid_alive(proc.pid) and not pid_alive(child)
 
 
 def test_requests_move_to_a_healthy_server(server, tiny_llama):

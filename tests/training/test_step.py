@@ -124,3 +124,19 @@ def test_response_logprobs_and_chunked_entropy_match_softmax(tiny, monkeypatch):
     mask = batch.response_mask
     torch.testing.assert_close(logp[mask].double(), ref_logp[mask], rtol=0, atol=2e-5)
     torch.testing.assert_close(entropy[mask].double(), ref_entropy[mask], rtol=0, atol=2e-5)
+
+
+def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged(tiny, batch):
+    model, _, _ = tiny
+    samples, _ = batch
+    for s in samples[4:8]:  # a whole group with equal rewards: A = 0 for each of its samples
+        s.advantage = 0.0
+    algo = ALGORITHM_PRESETS["mu-grpo"]
+    full = capture_optimizer(model)
+    m_full = train_step(model, full, samples, algo, micro_batch_size=4)
+    skip = capture_optimizer(model)
+    m_skip = train_step(model, skip, samples, algo, micro_batch_size=4, skip_zero_advantage=True)
+    assert max_rel_diff(skip.grads, full.grads) <= 1e-6
+    assert m_skip["loss"] == pytest.approx(m_full["loss"], abs=1e-7)
+    assert m_skip["trained_sample_fraction"] == pytest.approx(12 / 16)
+    assert m_skip["n_micro_batches"] < m_full["n_micro_batches"]

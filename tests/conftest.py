@@ -3,7 +3,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def distributed():
-    """A world of one (gloo) with megatron's TP=1 groups, shared by the in-process training tests."""
+    """A world of one (gloo) with megatron's TP=1 groups, shared by every in-process test that needs one."""
     import torch
 
     from megamu import parallel

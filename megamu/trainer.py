@@ -39,10 +39,7 @@ def resolve_hf_checkpoint(path: str | None) -> Path:
         from megamu.demo_model import smollm2_hf_dir
 
         return smollm2_hf_dir()
-    p = Path(path)
-    if not (p / "config.json").exists():
-        raise SystemExit(f"pretrain_mu_grpo.py: error: --hf-checkpoint: {p} has no config.json")
-    return p
+    return Path(path)  # validated by megamu.arguments
 
 
 class Run:
@@ -105,9 +102,6 @@ class Run:
                 os.replace(tmp, path)
             parallel.barrier()
             files, instruction, few_shot = [str(path)], DEMO_INSTRUCTION, DEMO_FEW_SHOT
-        for f in files:
-            if not Path(f).exists():
-                raise SystemExit(f"pretrain_mu_grpo.py: error: --prompt-data: {f} does not exist")
         prompts = load_prompts(files, self.tokenizer, prompt_key=args.prompt_key, answer_key=args.answer_key,
                                max_prompt_length=args.max_prompt_length, skip_bad_rows=args.skip_bad_rows,
                                instruction=instruction, few_shot=few_shot)
@@ -122,14 +116,8 @@ class Run:
 
     def stage_prompts(self, stage: int):
         """B_train prompts for ``stage``: consecutive slices of a seeded order, reshuffled at each epoch."""
-        n, b = len(self.train_prompts), self.plan.prompts_per_stage
-        picked, start = [], stage * b
-        for pos in range(start, start + b):
-            epoch, i = divmod(pos, n)
-            order = list(range(n))
-            random.Random(self.args.seed * 1000 + epoch).shuffle(order)
-            picked.append(self.train_prompts[order[i]])
-        return [replace(p, prompt_id=j) for j, p in enumerate(picked)]
+        picked = stage_prompt_indices(len(self.train_prompts), self.plan.prompts_per_stage, stage, self.args.seed)
+        return [replace(self.train_prompts[i], prompt_id=j) for j, i in enumerate(picked)]
 
     # ---------------------------------------------------------------- phases
     def export_policy(self, name: str) -> Path | None:
@@ -335,6 +323,20 @@ class offloaded:
 
     def __exit__(self, *exc):
         return None
+
+
+def stage_prompt_indices(n: int, per_stage: int, stage: int, seed: int) -> list[int]:
+    """Indices of stage ``stage``'s prompts: consecutive slices of a stream of seeded permutations of range(n), one
+    per epoch, so every prompt is used once per epoch and stages never depend on how many ran before."""
+    orders: dict[int, list[int]] = {}
+    picked = []
+    for pos in range(stage * per_stage, (stage + 1) * per_stage):
+        epoch, i = divmod(pos, n)
+        if epoch not in orders:
+            orders[epoch] = list(range(n))
+            random.Random(seed * 1000 + epoch).shuffle(orders[epoch])
+        picked.append(orders[epoch][i])
+    return picked
 
 
 def crash_point(kind: str, index: int) -> None:

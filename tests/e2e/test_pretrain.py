@@ -179,3 +179,13 @@ def test_bad_flags_name_the_flag(tiny, tmp_path, bad, flag, capsys):
 def test_missing_prompt_file_is_a_clear_error(tiny, tmp_path):
     with pytest.raises(SystemExit, match="--prompt-data: .*nope.jsonl"):
         parse_args(flags(tiny, tmp_path / "x", "--prompt-data", str(tmp_path / "nope.jsonl")))
+
+
+def test_stage_prompts_cover_each_epoch_once():
+    from megamu.trainer import stage_prompt_indices
+
+    n, per_stage = 10, 4  # 2.5 stages per epoch: stage 2 straddles epochs 0 and 1
+    stream = [i for k in range(5) for i in stage_prompt_indices(n, per_stage, k, seed=3)]
+    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n : 2 * n]) == list(range(n))
+    assert stream[:n] != stream[n : 2 * n]  # reshuffled each epoch
+    assert stage_prompt_indices(n, per_stage, 3, seed=3) == stream[12:16]  # a stage is a pure function of its index

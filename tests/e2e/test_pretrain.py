@@ -24,7 +24,9 @@ def flags(model: Path, save: Path, *extra: str) -> list[str]:
         "--hf-checkpoint", str(model), "--save", str(save), "--num-stages", str(STAGES), "--prompts-per-stage", "8",
         "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
         "--eval-prompts", "4", "--lr", "1e-3", "--reward-fn", "tests.e2e.rewards:has_digit", "--micro-batch-size", "4",
-        "--rollout-groups-per-shard", "2", "--save-interval", "2", "--seed", "7", *extra,
+        "--rollout-groups-per-shard", "2", "--save-interval", "2", "--seed", "7",
+        # every sample in every update, so each update has a ratio to check (skipping A = 0 is tested below)
+        "--no-skip-zero-advantage", *extra,
     ]
 
 
@@ -146,6 +148,16 @@ def test_every_preset_runs_a_stage(tiny, tmp_path, preset):
         assert all(u["veto_token_fraction"] == 0.0 for u in updates)
     if preset != "m2po":
         assert all(u["m2po_mask_fraction"] == 0.0 for u in updates)
+
+
+def test_skipping_zero_advantage_samples_end_to_end(tiny, tmp_path):
+    save = tmp_path / "skip"
+    launch(flags(tiny, save, "--num-stages", "1", "--eval-prompts", "0", "--skip-zero-advantage"))
+    updates = records(save, "update")
+    assert len(updates) == MU and all(u["loss"] is not None for u in updates)
+    trained = [u for u in updates if u["trained_sample_fraction"] > 0]
+    assert all(u["ratio_mean"] is None for u in updates if u["trained_sample_fraction"] == 0)
+    assert trained and trained[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-2)  # θ moved little since update 0
 
 
 def test_dry_run_prints_plan_and_starts_nothing(tiny, tmp_path):

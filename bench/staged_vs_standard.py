@@ -3,7 +3,7 @@
 Same number of updates and of samples: staged runs S stages of μ = U/S updates; the baseline refreshes every 4 updates
 with the engine kept alive and weights pushed in memory. Prints wall-clock and rollout-time ratios and weight syncs.
 
-    .venv/bin/python bench/staged_vs_standard.py [--updates 32] [--stages 2] [--repeats 1]
+    .venv/bin/python bench/staged_vs_standard.py [--updates 32] [--stages 2] [--model tiny|smollm2]
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ sys.path.insert(0, str(REPO))
 from megamu.tiny import save_tiny_model  # noqa: E402
 
 
-def run(model: Path, save: Path, flags: list[str]) -> dict:
-    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--hf-checkpoint", str(model), "--save", str(save),
-           "--eval-prompts", "0", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48",
-           "--reward-fn", "tests.e2e.rewards:has_digit", "--micro-batch-size", "16", "--seed", "3", *flags]
+def run(model: Path | None, save: Path, flags: list[str]) -> dict:
+    # the tiny random model earns no math reward: score it with the e2e tests' digit reward instead
+    task = ["--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit"] if model else []
+    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *task, "--save", str(save), "--eval-prompts", "0",
+           "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48", "--micro-batch-size", "16",
+           "--seed", "3", *flags]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
@@ -50,10 +52,12 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--prompts-per-update", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="smollm2: the demo model and task")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model(Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3,
-                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+        model = None if a.model == "smollm2" else save_tiny_model(
+            Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4)
         b = a.prompts_per_update
         mu = a.updates // a.stages
         staged = run(model, Path(tmp) / "staged", ["--algorithm", "mu-grpo", "--num-stages", str(a.stages),

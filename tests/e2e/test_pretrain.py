@@ -118,15 +118,17 @@ def test_kill_and_resume_is_bitwise_identical(tiny, reference, tmp_path, crash_e
     assert [u["update"] for u in records(save, "update")] == list(range(STAGES * MU))
 
 
-@pytest.mark.parametrize("mode", ["staged", "colocated"])
-def test_tensor_parallel_2(tiny, reference, tmp_path, mode):
-    save = tmp_path / "tp2"
-    launch(flags(tiny, save, "--tensor-model-parallel-size", "2", "--rollout-mode", mode), nproc=2)
+@pytest.mark.parametrize(
+    "tp, mode", [(2, "staged"), (2, "colocated"), (1, "staged")], ids=["tp2", "tp2-colocated", "dp2"]
+)
+def test_two_ranks(tiny, reference, tmp_path, tp, mode):
+    save = tmp_path / "two-ranks"
+    launch(flags(tiny, save, "--tensor-model-parallel-size", str(tp), "--rollout-mode", mode), nproc=2)
     updates = records(save, "update")
     assert len(updates) == STAGES * MU
     assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert updates[MU]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # colocated: the TP-gathered in-memory push
-    # same weights and data at the first update: TP=2 reproduces TP=1's loss
+    # same weights and data at the first update: two ranks reproduce one rank's loss
     assert updates[0]["loss"] == pytest.approx(records(reference, "update")[0]["loss"], abs=1e-5)
     assert (save / "hf" / "final" / "config.json").exists()
 

@@ -38,6 +38,8 @@ def build_model(
         **position_embedding_kwargs(arch, transformer_impl),
     )
     finalize(model, arch, transformer_impl)
+    if torch.cuda.is_available():  # megatron allocates its weights there already, but torch norms (local spec) not
+        model.cuda(torch.cuda.current_device())
     _mask_padded_vocab(model, arch, parallel_state.get_tensor_model_parallel_rank(), tp)
     if bf16:
         from megatron.core.transformer.module import Float16Module

@@ -67,11 +67,14 @@ class PortableAttention(torch.nn.Module):
         super().__init__()
         self.config = config
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        # a plain attribute, not a buffer: Float16Module's .bfloat16() would round the frequencies (RoPE off HF's)
+        self.inv_freq = rope_inv_freq(arch)
 
     def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, heads, d]
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
         pos = torch.arange(x.shape[0], device=x.device, dtype=torch.float)
-        freqs = pos[:, None] * self.inv_freq.to(x.device)[None, :]
+        freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         return x * cos + _rotate_half(x) * sin

@@ -5,6 +5,7 @@ Layout (Megatron's names for the directory and the pointer file)::
     save_dir/latest_checkpointed_iteration.txt     "12"
     save_dir/iter_0000012/model/                   mcore folder (canonical full tensors, megamu_arch.json)
     save_dir/iter_0000012/optimizer/               "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step", same layout
+                                                   (+ "<param>.main_param": fp32 master weights of a bf16 model)
     save_dir/iter_0000012/state.json               iteration, optimiser scalars, parallel sizes, caller's ``extra``
     save_dir/iter_0000012/rng.json                 python / numpy / torch (/ CUDA) RNG states of every global rank
 
@@ -55,8 +56,9 @@ def _full_optimizer_states(model, arch: ModelArch, optimizer) -> Iterator[tuple[
         state = optimizer.param_state(p)  # same presence on every rank: all params step together
         if state is None:
             continue
-        for key in ("exp_avg", "exp_avg_sq"):
-            yield f"{name}.{key}", gather_tensor(name, state[key], arch).cpu()
+        for key in ("exp_avg", "exp_avg_sq", "main_param"):  # main_param: fp32 master weights of a bf16 model
+            if key in state:
+                yield f"{name}.{key}", gather_tensor(name, state[key], arch).cpu()
         yield f"{name}.step", torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
 
 
@@ -204,8 +206,8 @@ def _load_optimizer(model, arch: ModelArch, folder: Path, optimizer) -> None:
         if not all(present):
             have = [k for k in keys if k in names]
             raise KeyError(f"optimizer state of {name} is incomplete in {folder}: has only {have}")
+        sharded = [k for k in ("exp_avg", "exp_avg_sq", "main_param") if f"{name}.{k}" in names]
         optimizer.load_param_state(p, {
-            "exp_avg": shard_tensor(name, reader.get(f"{name}.exp_avg"), arch, rank, size),
-            "exp_avg_sq": shard_tensor(name, reader.get(f"{name}.exp_avg_sq"), arch, rank, size),
+            **{k: shard_tensor(name, reader.get(f"{name}.{k}"), arch, rank, size) for k in sharded},
             "step": reader.get(f"{name}.step"),
         })

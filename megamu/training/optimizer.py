@@ -6,7 +6,7 @@ stepped. GPU: megatron-core DDP (``calculate_per_token_loss`` so it also sums) +
 
 Both expose the same small surface: ``zero_grad()``, ``step() -> (grad_norm, lr)``, ``state_dict()`` /
 ``load_state_dict()`` for the scalar state (update count), and ``param_state(p)`` / ``load_param_state(p, state)`` for
-the Adam moments of one parameter as this rank's TP shard (complete over data parallelism), which
+the Adam moments (GPU bf16: and fp32 main weight) of one parameter as this rank's TP shard (complete over DP), which
 ``megamu.training.checkpoint`` turns into the TP-independent full layout.
 """
 
@@ -153,7 +153,12 @@ class TorchAdamW:
 
 
 class MegatronDistributedAdam:
-    """GPU path: megatron-core DDP + DistributedOptimizer. Untested here (no GPU in CI); kept to the documented API."""
+    """GPU path: megatron-core DDP + DistributedOptimizer. Untested here (no GPU in CI); kept to the documented API.
+
+    The model's weights are the truth until the first update: callers load HF or checkpoint weights AFTER building
+    the optimiser, while megatron copies its fp32 main weights (bf16 models) at construction. They are re-copied from
+    the model before the first step, unless a checkpoint restored them exactly (``load_param_state`` "main_param").
+    """
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -176,10 +181,22 @@ class MegatronDistributedAdam:
                 optimizer="adam", lr=cfg.lr_at(0), weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                 adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=config.bf16,
                 params_dtype=config.params_dtype, use_distributed_optimizer=True,
+                # A constant scale of 1 changes no gradient, but only with a grad scaler does megatron check for
+                # inf/nan (over all ranks) and skip the update; without one, bf16 steps on non-finite gradients.
+                loss_scale=1.0,
             ),
             [self.ddp],
         )
         self.iteration = 0
+        self._main_params_stale = True
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.opt, "chained_optimizers", [self.opt]))
+
+    def _sync_main_params(self) -> None:
+        if self._main_params_stale:  # local copies, no collective
+            self.opt.reload_model_params()
+            self._main_params_stale = False
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -188,13 +205,16 @@ class MegatronDistributedAdam:
     def step(self) -> tuple[float, float]:
         from megatron.core.distributed import finalize_model_grads
 
+        self._sync_main_params()
         finalize_model_grads([self.ddp])
         lr = self.cfg.lr_at(self.iteration)
         for group in self.opt.param_groups:
             group["lr"] = lr
+            # megatron marks biases and 1-D parameters with wd_mult = 0, which only its LR scheduler applies
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
         ok, norm, _ = self.opt.step()
         if not ok:
-            raise FloatingPointError(f"megatron optimizer skipped update {self.iteration} (non-finite gradients)")
+            raise FloatingPointError(f"gradient norm is not finite at update {self.iteration}; not stepping")
         self.iteration += 1
         return float(norm), lr
 
@@ -207,28 +227,36 @@ class MegatronDistributedAdam:
             group["step"] = self.iteration  # TE FusedAdam's bias correction counter
 
     def _owner(self, p: torch.Tensor):
-        for opt in self.opt.chained_optimizers:
+        for opt in self._optimizers():
             if p in getattr(opt, "model_param_group_index_map", {}):
                 return opt
         return None
 
     def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Adam moments, plus the fp32 "main_param" where it differs from the model's (bf16) weight."""
         # Each DP rank owns a contiguous range of every flattened parameter; summing the zero-filled pieces over the
         # DP group rebuilds the full (TP-local) tensor: a collective, so every rank calls it for every parameter.
+        self._sync_main_params()  # a checkpoint before the first update must not save the construction-time copy
         opt = self._owner(p)
-        full = {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for k in ADAM_STATES}
+        keys = ADAM_STATES + (("main_param",) if p.dtype != torch.float32 else ())
+        full = {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for k in keys}
         if opt is not None:
             rng = opt._get_model_param_range_map(p)["param"]
             local = opt._get_main_param_and_optimizer_states(p)
-            for k in ADAM_STATES:
-                if k in local:  # absent before the first update
-                    full[k][rng.start : rng.end] = local[k].view(-1).float()
-        for k in ADAM_STATES:
+            local = {**local, "main_param": local["param"]}
+            for k in keys:
+                if k in local:  # moments are absent before the first update
+                    full[k][rng.start : rng.end] = local[k].detach().view(-1).float()
+        for k in keys:
             dist.all_reduce(full[k], group=parallel.dp_group())
         return {"step": torch.tensor(float(self.iteration)), **{k: v.view(p.shape) for k, v in full.items()}}
 
     def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        # Call after the model weights are loaded: the fp32 main copy is rebuilt from them.
+        # Call after the model weights are loaded: without a saved "main_param" the fp32 main copy is rebuilt from them.
+        # fp32 parameters are their own main copy (megatron shards views of them), so they keep the loaded weights.
+        restore_main = "main_param" in state and p.dtype != torch.float32
+        if restore_main:
+            self._main_params_stale = False
         opt = self._owner(p)
         if opt is None:
             return
@@ -236,9 +264,10 @@ class MegatronDistributedAdam:
             opt.init_state_fn(opt.optimizer, opt.config)  # megatron's Adam creates its moments lazily
         rng = opt._get_model_param_range_map(p)["param"]
         local = opt._get_main_param_and_optimizer_states(p)
-        tensors = {"param": p.detach().float().view(-1)[rng.start : rng.end].view_as(local["param"])}
+        main = state["main_param"] if restore_main else p.detach()
+        tensors = {"param": main.to(p.device).float().reshape(-1)[rng.start : rng.end].view_as(local["param"])}
         for k in ADAM_STATES:
-            tensors[k] = state[k].to(p.device).float().view(-1)[rng.start : rng.end].view_as(local[k])
+            tensors[k] = state[k].to(p.device).float().reshape(-1)[rng.start : rng.end].view_as(local[k])
         opt._set_main_param_and_optimizer_states(p, {**tensors, **({"step": local["step"]} if "step" in local else {})})
-        if isinstance(opt.optimizer, torch.optim.Adam):  # torch's Adam keeps a per-parameter step (TE's: per group)
+        if isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # per-parameter step (TE's: per group)
             opt.optimizer.state[local["param"]]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()

@@ -56,7 +56,10 @@ def sample_tokens(
     else:
         order = None
     cdf = probs.cumsum(-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # u * total can round up to total (u itself can round to 1.0 in float32): searchsorted then runs off the end,
+    # and the last index may be a token top-k / top-p removed. Fall back to the last token with probability > 0.
+    pick = torch.minimum(pick, (cdf < cdf[:, -1:]).sum(-1))
     tokens = pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
@@ -79,10 +82,10 @@ class LocalEngine:
 
         self.hf_dir = str(hf_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype).eval()
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.model.config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # Like SGLang: stop on the EOS ids of config.json and of generation_config.json (they can differ).
+        self.eos_ids = set()
+        for eos in (self.model.config.eos_token_id, self.model.generation_config.eos_token_id):
+            self.eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if isinstance(pad, int) else min(self.eos_ids, default=0)
 

@@ -1,7 +1,8 @@
 """The rollout phase: prompts -> engine -> rewards -> group advantages -> durable stage dataset.
 
 Determinism: shard k always holds the groups of prompts[k*S:(k+1)*S], and each request's seed derives from
-(base seed, stage, prompt_id), so a phase resumed after a crash produces exactly the groups of an uninterrupted run.
+(base seed, stage, prompt_id), so a phase resumed after a crash produces exactly the groups of an uninterrupted run
+(with SGLang, only on servers that honour sampling_seed: see megamu/rollout/sglang.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def generate_groups(
     if [(s.prompt_id, s.sample_index) for s in out] != expected:
         raise RuntimeError(f"engine {type(engine).__name__} returned samples out of order or incomplete "
                            f"({len(out)} samples for {len(prompts)} prompts x {n_samples})")
+    for s in out:  # the trainer needs one behaviour log-prob per response token it trains on
+        if len(s.output_ids) != len(s.output_logprobs):
+            raise RuntimeError(f"engine {type(engine).__name__} returned {len(s.output_ids)} tokens but "
+                               f"{len(s.output_logprobs)} log-probs for prompt {s.prompt_id} sample {s.sample_index}")
     texts = tokenizer.batch_decode([s.output_ids for s in out], skip_special_tokens=True)
     rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)])
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(len(prompts), n_samples)).flatten().tolist()

@@ -1,7 +1,8 @@
 """A small HTTP server that speaks SGLang's /generate schema (notes/sglang.md), backed by LocalEngine.
 
 Faults can be queued to test the client: "503" (one error response), "drop" (close the connection without an
-answer), "sleep:S" (answer after S seconds).
+answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
+has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from megamu.rollout.types import GenerateRequest, SamplingParams
 
 
 class SchemaServer:
-    def __init__(self, engine, api_key: str = "secret"):
+    def __init__(self, engine, api_key: str = "secret", deterministic: bool = True):
         self.engine = engine
         self.api_key = api_key
+        self.deterministic = deterministic  # LocalEngine honours seeds, like SGLang with deterministic inference
+        self.rids: set[str] = set()
         self.faults: list[str] = []
         self.log: list[dict] = []  # every /generate body received, and what was answered
         self.lock = threading.Lock()
@@ -78,19 +81,35 @@ class SchemaServer:
                 self.wfile.write(data)
 
             def _authorized(self) -> bool:
+                if self.path.startswith("/health"):
+                    return True
                 if self.headers.get("Authorization") != f"Bearer {server.api_key}":
                     self._reply(401, {"error": "bad api key"})
                     return False
                 return True
 
             def do_GET(self):
-                if self._authorized():
-                    self._reply(200, {} if self.path == "/health" else {"error": "not found"})
+                if not self._authorized():
+                    return
+                if self.path == "/health":
+                    return self._reply(200, {})
+                if self.path == "/server_info":
+                    return self._reply(200, {"model_path": server.engine.hf_dir,
+                                             "enable_deterministic_inference": server.deterministic})
+                self._reply(404, {"error": "not found"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if not self._authorized():
                     return
+                if self.path == "/generate":
+                    rids = body.get("rid")
+                    rids = rids if isinstance(rids, list) else [rids] if rids else []
+                    with server.lock:
+                        dup = [r for r in rids if r in server.rids]
+                        server.rids.update(rids)
+                    if dup:
+                        return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
                 fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
                 if fault == "503":
                     return self._reply(503, {"error": "injected overload"})

@@ -124,3 +124,24 @@ def test_update_weights_from_folder_and_state_dict(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="missing"):
         engine.update_weights(state_dict={"model.norm.weight": torch.full((64,), 3.0)})
     assert not bool((engine.model.model.norm.weight == 3.0).any())  # nothing copied from a bad dict
+
+
+def test_sampler_never_picks_a_removed_token_when_the_uniform_rounds_to_one():
+    # torch.rand(float64) can round to exactly 1.0 in float32; u * total then equals the CDF's end.
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")]])
+    one = torch.ones(1)
+    for top_k, top_p, allowed in [(0, 1.0, {0, 1, 2, 3, 4}), (2, 1.0, {0, 1}), (0, 0.5, {0, 1})]:
+        token, logp = sample_tokens(logits, one, torch.tensor([top_k]), torch.tensor([top_p]), one)
+        assert int(token) in allowed
+        assert float(logp) == pytest.approx(float(torch.log_softmax(logits, -1)[0, int(token)]))
+
+
+def test_eos_ids_from_config_and_generation_config(tmp_path):
+    import json
+
+    from megamu.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path / "m", "llama", seed=0)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[3, 4])))
+    assert LocalEngine(str(d)).eos_ids == {2, 3, 4}  # SGLang stops on both files' EOS ids too

@@ -116,3 +116,23 @@ def test_killed_phase_resumes_to_the_uninterrupted_result(tiny_llama, tmp_path):
     with pytest.raises(RuntimeError, match="different settings.*sampling"):
         run_rollout_phase(ExplodingEngine(), prompts, tmp_path / "resumed", sampling=SamplingParams(seed=9),
                           n_samples=4, scorer=ParityScorer(), tokenizer=tok, stage=2, groups_per_shard=2)
+
+
+class ShortLogprobEngine:
+    """Drops the last log-prob of every sample, as a server that trimmed the stop token from one list would."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, requests):
+        out = self.inner.generate(requests)
+        for s in out:
+            s.output_logprobs = s.output_logprobs[:-1]
+        return out
+
+
+def test_generate_groups_refuses_a_logprob_per_token_mismatch(tiny_llama):
+    tok = build_char_tokenizer()
+    with pytest.raises(RuntimeError, match="tokens but .* log-probs for prompt 0 sample 0"):
+        generate_groups(ShortLogprobEngine(LocalEngine(tiny_llama)), make_prompts(tok)[:1], SAMPLING, 2,
+                        ParityScorer(), tok)

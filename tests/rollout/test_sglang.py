@@ -1,7 +1,11 @@
 import importlib.util
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from megamu.rollout import make_engine
 from megamu.rollout.local import LocalEngine
-from megamu.rollout.sglang import SGLangEngine, SGLangError, _stop_processes
+from megamu.rollout.sglang import SGLangEngine, SGLangError, _stop_processes, parse_sample
 from megamu.rollout.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
@@ -58,14 +62,15 @@ def test_groups_and_logprob_mapping(server, tiny_llama, seed):
         expected = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(s.output_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(s.output_logprobs), expected, atol=1e-5, rtol=0)
         assert len({tuple(x.output_ids) for x in group}) == 3
-    if seed is not None:  # seeded groups are sent as a batch, one sampling_seed per sample, and are reproducible
-        assert all(isinstance(e["body"]["sampling_params"], list) for e in server.log)
-        seeds = [p["sampling_seed"] for e in server.log for p in e["body"]["sampling_params"]]
-        assert len(set(seeds)) == len(seeds) == 12
+    # Seeded or not, a group goes as a batch with one sampling_seed per sample (never n copies sharing a seed),
+    # each seed within int32.
+    assert all(isinstance(e["body"]["sampling_params"], list) for e in server.log)
+    seeds = [p["sampling_seed"] for e in server.log for p in e["body"]["sampling_params"]]
+    assert len(set(seeds)) == len(seeds) == 12 and all(0 <= x < 2**31 for x in seeds)
+    if seed is not None:  # and seeded groups are reproducible
         again = _client(server).generate(reqs)
         assert [s.output_ids for s in again] == [s.output_ids for s in out]
-    else:
-        assert all(e["body"]["sampling_params"]["n"] == 3 for e in server.log)
+    assert client.deterministic is True
     client.shutdown()
 
 
@@ -74,10 +79,17 @@ def test_retries_after_503_and_dropped_connection(server):
     server.faults = ["503", "drop", "503"]
     out = client.generate(_requests(1)[:1])
     assert len(out) == 3 and not server.faults
-    assert len(server.log) == 1  # three failed attempts, then one answer
+    assert len(server.log) == 1  # three failed attempts (each with fresh request ids), then one answer
+    assert len(server.rids) == 4 * 3
     server.faults = ["503"] * 10
     with pytest.raises(SGLangError, match="failed after 4 attempts.*503"):
         client.generate(_requests(1)[:1])
+
+
+def test_proxy_settings_are_ignored(server, monkeypatch):
+    for var in ("http_proxy", "HTTP_PROXY"):  # a cluster's proxy for pip must not carry requests to our servers
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    assert len(_client(server).generate(_requests(1)[:1])) == 3
 
 
 def test_timeout_is_an_error(server):
@@ -90,7 +102,7 @@ def test_timeout_is_an_error(server):
 
 
 def test_wrong_api_key_and_update_weights(server, tiny_llama, tmp_path):
-    with pytest.raises(SGLangError, match="not healthy"):
+    with pytest.raises(SGLangError, match="rejected the API key"):  # /health needs no key: /server_info tells
         _client(server, api_key="wrong", startup_timeout_s=0.5)
     from megamu.tiny import save_tiny_model
 
@@ -174,3 +186,68 @@ def test_make_engine_kinds(tiny_llama):
         make_engine("vllm", tiny_llama)
     with pytest.raises(ValueError, match="hf_dir .* or urls"):
         make_engine("sglang", None)
+
+
+def test_parse_sample_one_logprob_per_token_and_finish_reasons():
+    pairs = [[-0.5, 11, None], [-1.25, 7, "x"], [-0.125, 2, None]]
+    result = {"text": "", "output_ids": [11, 7],  # output_ids trimmed of the stop token: not what we read
+              "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, "output_token_logprobs": pairs}}
+    s = parse_sample(result, prompt_id=4, sample_index=1, stop_ids=[2])
+    assert (s.prompt_id, s.sample_index, s.output_ids, s.output_logprobs, s.finish_reason) == \
+        (4, 1, [11, 7, 2], [-0.5, -1.25, -0.125], "stop")
+    # SGLang checks max_new_tokens before EOS: a complete reply ending in a stop token is still a "stop".
+    length = {"meta_info": {"finish_reason": {"type": "length", "length": 3}, "output_token_logprobs": pairs}}
+    assert parse_sample(length, 0, 0, stop_ids=[2]).finish_reason == "stop"
+    assert parse_sample(length, 0, 0, stop_ids=[5]).finish_reason == "length"
+    abort = {"meta_info": {"finish_reason": {"type": "abort", "message": "x"}, "output_token_logprobs": pairs[:1]}}
+    assert parse_sample(abort, 0, 0).finish_reason == "abort"
+    with pytest.raises(SGLangError, match="prompt 9 has no meta_info.output_token_logprobs"):
+        parse_sample({"meta_info": {}}, 9, 0)
+
+
+def test_server_checks_model_and_seed_support(server, tiny_llama, tmp_path):
+    client = _client(server)
+    assert client._check_server(server.url, tiny_llama) is True
+    with pytest.raises(SGLangError, match="serves .* not .*another server holds the port"):
+        client._check_server(server.url, str(tmp_path))
+    server.deterministic = False
+    assert _client(server).deterministic is False
+
+
+def test_port_in_use_is_refused_before_launch(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SGLangError, match=f"port {port} .* already in use"):
+            SGLangEngine(str(tmp_path), port_base=port, log_dir=str(tmp_path / "logs"))
+    assert not (tmp_path / "logs" / "server_0.log").exists()
+
+
+ORPHAN_PARENT = """
+import subprocess, sys, time
+from megamu.rollout.sglang import _die_with_parent
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                         preexec_fn=_die_with_parent)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_server_dies_with_a_killed_trainer():
+    # The launcher is SIGKILLed (no finalizer runs): its server, in its own session, must still go.
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN_PARENT], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parents[2]))
+    child = int(parent.stdout.readline())
+    try:
+        assert pid_alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(child)
+    finally:
+        parent.kill()
+        if pid_alive(child):
+            os.kill(child, signal.SIGKILL)

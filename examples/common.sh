@@ -35,8 +35,8 @@ paper_flags() {
         --micro-batch-size "$MICRO_BATCH_SIZE"
         --rollout-engine sglang
         --behaviour-logprobs engine
-        --rollout-groups-per-shard 256
-        --save-interval 200 --log-interval 1 --seed 1234
+        --rollout-groups-per-shard 256 --rollout-shards-per-call 4
+        --save-interval 200 --hf-export-interval 200 --log-interval 1 --seed 1234
         --eval-prompts 0
     )
     if [[ -n "${SGLANG_URL:-}" ]]; then
@@ -44,7 +44,10 @@ paper_flags() {
     else
         # One server per GPU (TP 1): every model here fits one H200, and DP over servers decodes fastest. Servers
         # started by the trainer live on rank 0's node; to roll out on every node use SGLANG_URL (docs/cluster.md).
-        PAPER_FLAGS+=(--sglang-num-servers "$GPUS" --sglang-tp-size 1)
+        # The trainer's weights and sharded Adam state stay on the GPUs during rollout (~40 GB for a 7-8B actor at
+        # TP 2 x DP 2, an estimate): leave them room. Deterministic inference makes a resumed rollout bitwise equal.
+        PAPER_FLAGS+=(--sglang-num-servers "$GPUS" --sglang-tp-size 1
+                      --sglang-server-args "--mem-fraction-static ${SGLANG_MEM_FRACTION:-0.6} --enable-deterministic-inference")
     fi
 }
 

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", type=int, default=1)
+    g.add_argument("--sglang-server-args", default="",
+                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
+    g.add_argument("--rollout-shards-per-call", type=int, default=1,
+                   help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
 
     g = p.add_argument_group("run control")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
@@ -170,7 +174,7 @@ def check_paths(args: argparse.Namespace) -> None:
 def validate(args: argparse.Namespace) -> AlgoConfig:
     positive = ["num_stages", "n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
                 "tensor_model_parallel_size", "max_prompt_length", "rollout_batch_size", "log_interval",
-                "rollout_groups_per_shard"]
+                "rollout_groups_per_shard", "rollout_shards_per_call"]
     for name in positive:
         if getattr(args, name) <= 0:
             _error("--" + name.replace("_", "-"), f"must be a positive integer, got {getattr(args, name)}")
@@ -190,8 +194,8 @@ def validate(args: argparse.Namespace) -> AlgoConfig:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
-    if args.rollout_engine == "local" and args.sglang_url:
-        _error("--sglang-url", "only used with --rollout-engine sglang")
+    if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
+        _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.reward_fn and ":" not in args.reward_fn:
         _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     check_paths(args)

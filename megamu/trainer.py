@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -159,7 +160,7 @@ class Run:
             return make_engine("local", str(hf_dir), max_batch_size=a.rollout_batch_size)
         urls = a.sglang_url.split(",") if a.sglang_url else None
         engine = make_engine("sglang", str(hf_dir), urls=urls, num_servers=a.sglang_num_servers,
-                             tp_size=a.sglang_tp_size)
+                             tp_size=a.sglang_tp_size, extra_server_args=shlex.split(a.sglang_server_args))
         if urls:  # servers we did not start still hold the previous stage's weights
             engine.update_weights(hf_dir=str(hf_dir))
         return engine
@@ -183,6 +184,7 @@ class Run:
                                       n_samples=self.plan.n_samples_per_prompt, scorer=self.scorer,
                                       tokenizer=self.tokenizer, stage=stage, policy_version=stage,
                                       groups_per_shard=self.args.rollout_groups_per_shard,
+                                      shards_per_call=self.args.rollout_shards_per_call,
                                       model_path=str(hf_dir or ""))
                     if stage == 0 and self.eval_prompts:
                         self.evaluate(engine, stage=0, label="base")

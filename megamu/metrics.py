@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -33,17 +34,13 @@ class MetricsLogger:
         """Keep only what happened before (stage, update): updates < update, stages < stage, evals of earlier stages."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill mid-write
-            kind = rec.get("kind")
-            if (kind == "update" and rec["update"] < update) or (kind in ("stage", "eval") and rec["stage"] < stage):
-                kept.append(line)
+        kept = [
+            rec for rec in read_metrics(self.path.parent)
+            if (rec.get("kind") == "update" and rec["update"] < update)
+            or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
+        ]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
         os.replace(tmp, self.path)
 
     def log(self, kind: str, step: int | None = None, **fields) -> dict:
@@ -68,3 +65,20 @@ class MetricsLogger:
 def clean(stats: dict) -> dict:
     """NaN/inf -> None so records stay valid JSON (e.g. E[ρ | A<0] of a batch without negative advantages)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stats.items()}
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All records of ``<run>/metrics.jsonl`` in file order. A line cut short by a kill is skipped with a warning."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{lineno}: not valid JSON (a line cut by a kill?), skipped", file=sys.stderr)
+    return rows

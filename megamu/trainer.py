@@ -21,7 +21,7 @@ from megamu.arguments import BUILTIN_DATA
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.data.prompts import stop_token_ids
-from megamu.metrics import MetricsLogger
+from megamu.metrics import MetricsLogger, read_metrics
 from megamu.model import ModelArch, build_model
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.types import SamplingParams
@@ -65,7 +65,6 @@ class Run:
         self.train_prompts, self.eval_prompts = self._load_prompts()
         self.engine = None  # alive across stages only in colocated mode (rank 0)
         self.engine_warm = False  # known on every rank: whether rank 0's colocated engine is up
-        self.stage_records: list[dict] = []
         self.scorer = None
 
         extra = load_checkpoint(args.load, self.model, self.arch, self.optimizer) if Path(args.load).exists() else None
@@ -168,7 +167,7 @@ class Run:
     def rollout(self, stage: int, hf_dir: Path | None) -> StageDataset:
         """β_k generates D_k = {(x, y, A, b_1:T)} on rank 0 (durable, resumable); every rank then reads it.
 
-        Every rank's training state leaves the GPU meanwhile, so the engine gets the memory (§4)."""
+        Every rank first returns its cached-but-free GPU memory, so the engine gets it (§4); see release_gpu_cache."""
         from megamu.rollout.phase import run_rollout_phase
 
         out = self.save / "rollouts" / f"stage_{stage}"
@@ -177,19 +176,19 @@ class Run:
             # the gather is collective: every TP rank takes part, rank 0 keeps the result
             weights = dict(mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))) \
                 if self._push_in_memory() else None
-            with offloaded(self.model, self.optimizer):
-                if parallel.is_main_rank():
-                    engine = self._engine_for(hf_dir, weights)
-                    run_rollout_phase(engine, self.stage_prompts(stage), out, sampling=self.sampling(stage),
-                                      n_samples=self.plan.n_samples_per_prompt, scorer=self.scorer,
-                                      tokenizer=self.tokenizer, stage=stage, policy_version=stage,
-                                      groups_per_shard=self.args.rollout_groups_per_shard,
-                                      shards_per_call=self.args.rollout_shards_per_call,
-                                      model_path=str(hf_dir or ""))
-                    if stage == 0 and self.eval_prompts:
-                        self.evaluate(engine, stage=0, label="base")
-                    self._release(engine)
-                parallel.barrier()
+            release_gpu_cache()
+            if parallel.is_main_rank():
+                engine = self._engine_for(hf_dir, weights)
+                run_rollout_phase(engine, self.stage_prompts(stage), out, sampling=self.sampling(stage),
+                                  n_samples=self.plan.n_samples_per_prompt, scorer=self.scorer,
+                                  tokenizer=self.tokenizer, stage=stage, policy_version=stage,
+                                  groups_per_shard=self.args.rollout_groups_per_shard,
+                                  shards_per_call=self.args.rollout_shards_per_call,
+                                  model_path=str(hf_dir or ""))
+                if stage == 0 and self.eval_prompts:
+                    self.evaluate(engine, stage=0, label="base")
+                self._release(engine)
+            parallel.barrier()
             self.engine_warm = self.args.rollout_mode == "colocated"
         return StageDataset(out)
 
@@ -248,10 +247,9 @@ class Run:
 
     def log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest
-        rec = self.metrics.log("stage", step=stage, stage=stage, **times, reward_mean=m.reward_mean,
+        self.metrics.log("stage", step=stage, stage=stage, **times, reward_mean=m.reward_mean,
                                truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
                                all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length)
-        self.stage_records.append(rec)
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")
         crash_point("stage", stage)
@@ -260,7 +258,7 @@ class Run:
         """The final table: per-stage rollout reward and timings, then the held-out evaluation."""
         if not parallel.is_main_rank():
             return
-        rows = [json.loads(line) for line in self.metrics.path.read_text().splitlines()]
+        rows = read_metrics(self.save)
         stages = [r for r in rows if r["kind"] == "stage"]
         evals = [r for r in rows if r["kind"] == "eval"]
         print("\n stage | rollout reward | all-correct | all-wrong | trunc. | t_export | t_rollout | t_train")
@@ -307,24 +305,15 @@ class Run:
         return final
 
 
-class offloaded:
-    """While the engine generates, the trainer gives back the GPU memory it does not need (§4 System-Level Efficiency).
+def release_gpu_cache() -> None:
+    """Before the engine generates, the trainer gives back the GPU memory it does not need (§4 System-Level Efficiency).
 
     Only the caching allocator's free blocks are released. Moving parameters and optimiser state off the device is
     not done: under megatron DDP the parameters are views into contiguous buffers that a plain ``.cpu()`` would
     detach from the optimiser, silently. Size SGLang's --mem-fraction-static to what the trainer keeps resident.
     """
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def __enter__(self):
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return self
-
-    def __exit__(self, *exc):
-        return None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def stage_prompt_indices(n: int, per_stage: int, stage: int, seed: int) -> list[int]:

@@ -8,11 +8,11 @@ the updates behind it.
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from megamu.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -21,23 +21,6 @@ class Checkpoint:
     hf_dir: Path
     updates: int | None  # policy updates behind this checkpoint; None when unknown
     time: float | None  # run seconds at which this policy existed; None without metrics
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All records of ``<run>/metrics.jsonl`` in file order. A line cut short by a kill is skipped with a warning."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{lineno}: not valid JSON (a line cut by a kill?), skipped", file=sys.stderr)
-    return rows
 
 
 def update_records(metrics: list[dict]) -> list[dict]:

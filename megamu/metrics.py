@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
+
+from megamu.atomic import atomic_write_text
 
 
 class MetricsLogger:
@@ -39,9 +40,7 @@ class MetricsLogger:
             if (rec.get("kind") == "update" and rec["update"] < update)
             or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
         ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 
     def log(self, kind: str, step: int | None = None, **fields) -> dict:
         rec = {"kind": kind, **clean(fields), "time": round(self.elapsed(), 3)}

@@ -18,6 +18,7 @@ import torch
 from megamu import parallel
 from megamu.algo import AlgoConfig
 from megamu.arguments import BUILTIN_DATA
+from megamu.atomic import atomic_write, atomic_write_text
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.data.prompts import stop_token_ids
@@ -97,9 +98,7 @@ class Run:
             path = self.save / "data" / "addition.jsonl"
             if parallel.is_main_rank() and not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in addition_problems(n, seed=args.seed)))
-                os.replace(tmp, path)
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in addition_problems(n, seed=args.seed)))
             parallel.barrier()
             files, instruction, few_shot = [str(path)], DEMO_INSTRUCTION, DEMO_FEW_SHOT
         prompts = load_prompts(files, self.tokenizer, prompt_key=args.prompt_key, answer_key=args.answer_key,
@@ -240,8 +239,7 @@ class Run:
                                   micro_batch_size=self.args.micro_batch_size)
         anchors = {(s.prompt_id, s.sample_index): v for s, v in zip(samples, values)}
         if parallel.is_main_rank():
-            torch.save(anchors, cache.with_suffix(".tmp"))
-            os.replace(cache.with_suffix(".tmp"), cache)
+            atomic_write(cache, lambda tmp: torch.save(anchors, tmp))
         parallel.barrier()
         return anchors
 

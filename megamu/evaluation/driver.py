@@ -7,21 +7,15 @@ resumes where it stopped and never redoes (or loses) finished checkpoints.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from megamu.atomic import atomic_write_text
 from megamu.data.prompts import stop_token_ids
 from megamu.evaluation.run import Checkpoint
 from megamu.evaluation.runner import Benchmark, EvalReport, EvalSettings, evaluate_model, markdown_table
 from megamu.rollout.types import Engine
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _saved_report(path: Path, settings: EvalSettings, benchmarks: list[Benchmark]) -> EvalReport | None:
@@ -88,10 +82,10 @@ def evaluate_checkpoints(
                                                stop_token_ids(tokenizer), log=log)
             report.checkpoint, report.updates, report.time = ckpt.name, ckpt.updates, ckpt.time
             if save_responses:
-                _write_atomic(out / f"{ckpt.name}.responses.jsonl",
+                atomic_write_text(out / f"{ckpt.name}.responses.jsonl",
                               "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in responses))
-            _write_atomic(path, json.dumps(report.to_json(), indent=1))
-            _write_atomic(out / f"{ckpt.name}.md", markdown_table(report))
+            atomic_write_text(path, json.dumps(report.to_json(), indent=1))
+            atomic_write_text(out / f"{ckpt.name}.md", markdown_table(report))
             log(markdown_table(report))
             reports.append(report)
     finally:
@@ -103,6 +97,6 @@ def evaluate_checkpoints(
         "checkpoints": [{"name": r.checkpoint, "updates": r.updates, "time": r.time, "average": r.average,
                          "benchmarks": {n: b.mean for n, b in r.benchmarks.items()}} for r in reports],
     }
-    _write_atomic(out / "summary.json", json.dumps(summary, indent=1))
-    _write_atomic(out / "summary.md", summary_markdown(reports))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "summary.md", summary_markdown(reports))
     return summary

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from megamu.atomic import atomic_write
 from megamu.data.prompts import PromptRecord
 from megamu.records import RolloutSample
 from megamu.rollout.dataset import (
     MANIFEST,
     StageManifest,
-    atomic_write,
     group_stats,
     read_manifest,
     shard_info,

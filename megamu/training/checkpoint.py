@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
+from megamu.atomic import atomic_write_text
 from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, save_mcore
 from megamu.convert.io import SafetensorsDir, atomic_dir, write_sharded
 from megamu.convert.tp import gather_tensor, shard_tensor
@@ -135,9 +135,7 @@ def save_checkpoint(
                 "world_size": world,
                 "extra": extra,
             })
-        tracker_tmp = Path(save_dir) / f".{TRACKER}.tmp-{os.getpid()}"
-        tracker_tmp.write_text(f"{iteration}\n")
-        os.replace(tracker_tmp, Path(save_dir) / TRACKER)
+        atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
     else:
         _drain(model_tensors)
         _drain(opt_tensors)

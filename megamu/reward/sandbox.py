@@ -55,6 +55,9 @@ class SandboxLimits:
     output_bytes: int = 1 << 20
 
 
+DEFAULT_LIMITS = SandboxLimits()
+
+
 @dataclass(frozen=True)
 class Isolation:
     """What this machine allows, probed once per process (``probe_isolation``) and passed to every run."""
@@ -181,7 +184,7 @@ def _read_capped(path: str, cap: int) -> str:
         return f.read(cap).decode("utf-8", "replace")
 
 
-def run_python(source: str, *, stdin: str | None = None, limits: SandboxLimits = SandboxLimits(),
+def run_python(source: str, *, stdin: str | None = None, limits: SandboxLimits = DEFAULT_LIMITS,
                isolation: Isolation | None = None) -> RunResult:
     """Run ``source`` as ``__main__`` in a sandbox (see the module docstring); returns its status and output."""
     isolation = probe_isolation() if isolation is None else isolation

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from megamu.algo import ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
 from megamu.algo.loss import AGGREGATIONS
+from megamu.reward.config import REWARD_KINDS, RewardConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
@@ -49,10 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
     g.add_argument("--prompt-key", default="problem")
-    g.add_argument("--answer-key", default="answer")
+    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
     g.add_argument("--max-prompt-length", type=int, default=1024)
     g.add_argument("--skip-bad-rows", action="store_true")
-    g.add_argument("--reward-fn", default=None, help="module:function(response, ground_truth) -> float")
+    g.add_argument("--reward-fn", default=None,
+                   help="module:function(response, ground_truth) -> float; overrides --reward")
+
+    g = p.add_argument_group("reward")
+    g.add_argument("--reward", choices=REWARD_KINDS, default="math",
+                   help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
+                        "against the row's tests in a sandbox")
+    g.add_argument("--code-reward-mode", choices=["all", "fraction"], default="all",
+                   help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
+    g.add_argument("--code-sandbox-url", default=None,
+                   help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
+    g.add_argument("--code-timeout", type=float, default=10.0,
+                   help="code: wall-clock and CPU seconds of one program execution (one test case)")
 
     g = p.add_argument_group("μ-GRPO stages")
     g.add_argument("--num-stages", type=int, default=2)
@@ -171,6 +184,28 @@ def check_paths(args: argparse.Namespace) -> None:
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
 
 
+def validate_reward(args: argparse.Namespace) -> None:
+    """The reward flags; fills in --answer-key's default for the reward kind."""
+    if args.reward != "code":
+        for flag, value, default in (("--code-reward-mode", args.code_reward_mode, "all"),
+                                     ("--code-sandbox-url", args.code_sandbox_url, None),
+                                     ("--code-timeout", args.code_timeout, 10.0)):
+            if value != default:
+                _error(flag, "only used with --reward code")
+    if not args.code_timeout > 0:
+        _error("--code-timeout", f"must be > 0 seconds, got {args.code_timeout}")
+    if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
+        _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
+    if args.answer_key is None:
+        args.answer_key = "tests" if args.reward == "code" else "answer"
+
+
+def reward_config(args: argparse.Namespace) -> RewardConfig:
+    """The run's reward (``megamu.reward.make_scorer`` builds its pool)."""
+    return RewardConfig(kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
+                        sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout)
+
+
 def validate(args: argparse.Namespace) -> AlgoConfig:
     positive = ["num_stages", "n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
                 "tensor_model_parallel_size", "max_prompt_length", "rollout_batch_size", "log_interval",
@@ -198,6 +233,7 @@ def validate(args: argparse.Namespace) -> AlgoConfig:
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.reward_fn and ":" not in args.reward_fn:
         _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    validate_reward(args)
     check_paths(args)
     resolve_batch_sizes(args)
     try:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Evaluate an HF folder, or every HF checkpoint of a run, on math benchmarks: avg@k pass@1 (the paper's App. B).
+"""Evaluate an HF folder, or every HF checkpoint of a run, on math or code benchmarks: avg@k pass@1 (App. B).
 
     python tools/evaluate.py --hf-dir MODEL --data aime24=../shared/data/aime24.jsonl --data math500=...
     python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --engine sglang --sglang-num-servers 4
+    python tools/convert_code_data.py --humaneval -o humaneval.jsonl
+    python tools/evaluate.py --hf-dir MODEL --reward code --data humaneval=humaneval.jsonl
 
 Defaults follow the paper: 16 samples for AIME24/25, 4 for AMC23 and MATH-500 (``--samples name=k`` overrides);
 prompts go through the training template (``load_prompts``), generation uses the training temperature and length.
@@ -12,12 +14,14 @@ Writes ``<out>/<checkpoint>.json|.md`` and ``<out>/summary.json|.md`` (the best 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
+from megamu.reward.config import REWARD_KINDS, RewardConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,10 +44,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--skip-bad-rows", action="store_true",
                    help="drop problems whose prompt is over --max-prompt-length instead of failing")
     g.add_argument("--prompt-key", default="problem")
-    g.add_argument("--answer-key", default="answer")
-    g.add_argument("--reward-fn", default="megamu.reward.math:math_score", help="module:function, as in training")
-    g.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per response before it scores 0")
+    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
+    g.add_argument("--reward-fn", default=None, help="module:function, as in training (overrides --reward)")
+    g.add_argument("--reward-timeout", type=float, default=None,
+                   help="seconds per response before it scores 0 (default: 5 for math, more for code)")
     g.add_argument("--reward-workers", type=int, default=None)
+    r = p.add_argument_group("reward (as in training)")
+    r.add_argument("--reward", choices=REWARD_KINDS, default="math",
+                   help="code: e.g. --data humaneval=... from tools/convert_code_data.py --humaneval")
+    r.add_argument("--code-reward-mode", choices=["all", "fraction"], default="all")
+    r.add_argument("--code-sandbox-url", default=None)
+    r.add_argument("--code-timeout", type=float, default=10.0, help="seconds of one program execution")
     e = p.add_argument_group("engine")
     e.add_argument("--engine", choices=["local", "sglang"], default="local")
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="local engine only")
@@ -60,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    if args.code_timeout <= 0 or (args.reward_timeout is not None and args.reward_timeout <= 0):
+        p.error("--code-timeout and --reward-timeout must be > 0")
+    if args.answer_key is None:
+        args.answer_key = "tests" if args.reward == "code" else "answer"
+    args.reward_config = RewardConfig(kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
+                                      sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
+                                      num_workers=args.reward_workers)
     try:
         args.benchmarks = parse_benchmarks(args.data, args.samples)
     except ValueError as err:
@@ -87,6 +105,12 @@ def engine_factory(args: argparse.Namespace):
     return build
 
 
+def reward_description(cfg: RewardConfig) -> str:
+    """The reward as saved in a report's settings: a report is reused only for the same reward and options."""
+    spec, kwargs = cfg.spec_and_kwargs()
+    return spec + (f" {json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from transformers import AutoTokenizer
@@ -106,9 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
         max_response_len=args.max_response_len, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, prompt_key=args.prompt_key,
-        answer_key=args.answer_key, reward_fn=args.reward_fn,
+        answer_key=args.answer_key, reward_fn=reward_description(args.reward_config),
     )
-    with RewardScorer(args.reward_fn, timeout_s=args.reward_timeout, num_workers=args.reward_workers) as scorer:
+    spec, kwargs = args.reward_config.spec_and_kwargs()
+    timeout = args.reward_timeout or args.reward_config.item_timeout_s
+    with RewardScorer(spec, timeout_s=timeout, num_workers=args.reward_workers, fn_kwargs=kwargs) as scorer:
         summary = evaluate_checkpoints(
             checkpoints, engine_factory(args), AutoTokenizer.from_pretrained, scorer, args.benchmarks, settings, out,
             save_responses=args.save_responses, overwrite=args.overwrite,

@@ -179,6 +179,23 @@ def _kill_cgroup(path: str) -> None:
         time.sleep(0.01)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (also after a normal exit: background children) and wait until every member
+    is gone, so that the run's processes (PID-namespace init included) are reaped when ``run_python`` returns."""
+    deadline = time.monotonic() + 10.0
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # also reaches members forked after the first kill
+        except ProcessLookupError:
+            return
+        time.sleep(0.005)
+
+
 def _read_capped(path: str, cap: int) -> str:
     with open(path, "rb") as f:
         return f.read(cap).decode("utf-8", "replace")
@@ -216,11 +233,7 @@ def run_python(source: str, *, stdin: str | None = None, limits: SandboxLimits =
         )
     finally:
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group, also after a normal exit (background children)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill_group(proc)
         if cgroup is not None:
             _kill_cgroup(cgroup)
         shutil.rmtree(cwd, ignore_errors=True)

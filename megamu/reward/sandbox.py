@@ -106,16 +106,26 @@ def _pids_cgroup_root() -> str | None:
     return None
 
 
+def _works(isolation: Isolation) -> bool:
+    try:
+        r = run_python("import sys; sys.stdout.write('ok')", isolation=isolation, limits=SandboxLimits(wall_s=30.0))
+    except (OSError, subprocess.SubprocessError):  # e.g. unshare or the cgroup refused in the child
+        return False
+    return r.returncode == 0 and r.stdout == "ok"
+
+
 @functools.lru_cache(maxsize=1)
 def probe_isolation() -> Isolation:
-    """Decide once what this process can use; a failed namespace probe degrades to rlimits only (see the module
-    docstring for what that leaves open)."""
+    """Decide once per process what this machine allows, by running a trivial program under each candidate, most
+    isolated first; what a weaker choice leaves open is in the module docstring."""
     cgroup = _pids_cgroup_root()
-    if os.geteuid() != 0:
-        return Isolation(namespaces=False, pids_cgroup=cgroup)
-    result = run_python("import sys; sys.stdout.write('ok')", isolation=Isolation(True, None),
-                        limits=SandboxLimits(wall_s=30.0))
-    return Isolation(namespaces=result.returncode == 0 and result.stdout == "ok", pids_cgroup=cgroup)
+    namespaces = [True, False] if os.geteuid() == 0 else [False]
+    cgroups = [cgroup, None] if cgroup else [None]
+    for ns in namespaces:
+        for cg in cgroups:
+            if _works(Isolation(ns, cg)):
+                return Isolation(ns, cg)
+    raise RuntimeError("the code sandbox cannot start even a trivial program on this machine")
 
 
 def _scrubbed_env(cwd: str) -> dict[str, str]:

@@ -17,10 +17,12 @@ is also capped at ``max_processes`` tasks, which bounds a fork bomb even as root
 killed at the end.
 
 Not isolated: the file system stays readable (anything the trainer's user can read, the program can read and print);
-CPU time is limited per process, not per run; disk use is bounded only per file (many files can still be written in
-the working directory, which is deleted afterwards); without namespaces (non-root) the network, the file system and
-other processes of the same user are reachable; without a pids cgroup a fork bomb as root is bounded only by the
-wall-clock limit. A test program and the solution share one interpreter, so a program that reads its own source can
+CPU time and memory are limited per process, not per run (up to ``max_processes`` x ``memory_bytes`` in all); disk
+use is bounded only per file (many files can still be written in the working directory, which is deleted
+afterwards); without namespaces (non-root, or a container without CAP_SYS_ADMIN) the network, the file system and
+other processes of the same user are reachable, and a child that leaves the process group (``setsid``) outlives the
+run unless a pids cgroup holds it; without a pids cgroup a fork bomb as root is bounded only by the wall-clock limit.
+The sandbox forks through ``preexec_fn``: call it from a single-threaded process (a reward worker). A test program and the solution share one interpreter, so a program that reads its own source can
 forge the end-of-tests marker. This is a process sandbox, not a VM: for untrusted models at scale use
 ``--code-sandbox-url`` (``megamu.reward.remote``) with a hardened remote sandbox service.
 """

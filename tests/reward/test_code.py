@@ -12,7 +12,8 @@ from megamu.reward.code import code_score, extract_code, outputs_match
 from tests.processes import pid_alive
 from tests.reward.sandbox_checks import group_members, nothing_left_behind
 
-FAST = {"timeout_s": 2.0}
+# Correct programs finish in milliseconds; the generous limit only keeps a loaded machine from failing them.
+FAST = {"timeout_s": 30.0}
 
 
 def fenced(code: str) -> str:
@@ -87,7 +88,7 @@ def test_hostile_solution_scores_zero_within_the_timeout():
     with nothing_left_behind():
         assert code_score(fenced("def square(x):\n    while True:\n        pass"), ASSERTS, timeout_s=1.0) == 0.0
         assert code_score(fenced("while True:\n    pass"), STDIO, timeout_s=1.0, mode="fraction") == 0.0
-    assert time.monotonic() - t0 < 3 * (1.0 + 3)  # three executions of at most 1 s each, plus start-up
+    assert time.monotonic() - t0 < 3 * (1.0 + 5)  # three executions of at most 1 s each, plus start-up
 
 
 def test_shipped_code_task_is_correct_by_construction():
@@ -109,7 +110,7 @@ def test_humaneval_canonical_solutions_pass_and_do_not_pass_other_problems():
     assert len(problems) == 164
     responses = [fenced(p["prompt"] + p["canonical_solution"]) for p in problems]
     truths = [json.dumps({"test": p["test"], "entry_point": p["entry_point"]}) for p in problems]
-    with nothing_left_behind(), make_scorer(RewardConfig(kind="code", timeout_s=10.0, num_workers=4)) as scorer:
+    with nothing_left_behind(), make_scorer(RewardConfig(kind="code", timeout_s=30.0, num_workers=4)) as scorer:
         own = scorer.score(responses, truths)
         other = scorer.score(responses, truths[1:] + truths[:1])  # solution i against problem i+1's tests
         workers = [w.proc.pid for w in scorer._workers]
@@ -118,3 +119,35 @@ def test_humaneval_canonical_solutions_pass_and_do_not_pass_other_problems():
     assert scorer.num_timeouts == 0 and scorer.num_crashes == 0
     assert not any(pid_alive(p) for p in workers)
     assert all(group_members(p) == [] for p in workers)
+
+
+def test_no_process_outlives_a_scoring_run():
+    import os
+    import time
+
+    from megamu.reward import RewardScorer
+    from megamu.reward.sandbox import probe_isolation, remove_stale_runs
+    from tests.reward.sandbox_checks import foreign_namespace_pids, run_dirs
+
+    hostile = ["import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+               "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\nprint(3)",
+               "while True:\n    pass"]
+    with nothing_left_behind(), make_scorer(RewardConfig(kind="code", timeout_s=1.0, num_workers=2)) as scorer:
+        assert scorer.score([fenced(h) for h in hostile], [json.dumps(STDIO)] * 3) == [0.0, 0.0, 0.0]
+    # The pool's own per-item timeout kills a worker in the middle of a run: the run dies with it.
+    before, dirs = foreign_namespace_pids(), run_dirs()
+    with RewardScorer("megamu.reward.code:code_score", timeout_s=2.0, num_workers=1,
+                      fn_kwargs={"timeout_s": 60.0}) as scorer:
+        worker = scorer._workers[0].proc.pid  # killed at the item timeout below
+        assert scorer.score([fenced("import time\ntime.sleep(600)")], [json.dumps(STDIO)]) == [0.0]
+        assert scorer.num_timeouts == 1
+    deadline = time.monotonic() + 10
+    while foreign_namespace_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert foreign_namespace_pids() - before == set()
+    # The killed worker could not remove its run's directories and cgroup: the next process's probe does.
+    cgroup = probe_isolation().pids_cgroup
+    remove_stale_runs(cgroup)
+    assert run_dirs() - dirs == set()
+    if cgroup:
+        assert not [n for n in os.listdir(cgroup) if n.startswith(f"megamu-sandbox-{worker}-")]

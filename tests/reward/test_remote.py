@@ -77,8 +77,8 @@ def test_remote_run_gives_up(service, monkeypatch):
 
 def test_code_score_through_the_remote_service(service):
     tests = {"inputs": ["2\n", "5\n"], "outputs": ["4\n", "25\n"]}
-    assert code_score("```python\nn = int(input())\nprint(n * n)\n```", tests, sandbox_url=service, timeout_s=5) == 1
-    assert code_score("```python\nprint(4)\n```", tests, sandbox_url=service, timeout_s=5) == 0
+    assert code_score("```python\nn = int(input())\nprint(n * n)\n```", tests, sandbox_url=service, timeout_s=30) == 1
+    assert code_score("```python\nprint(4)\n```", tests, sandbox_url=service, timeout_s=30) == 0
     # print(4) passes case 1 and fails case 2; only each case's input is sent, never an expected output
     assert [r["stdin"] for r in _Service.requests] == ["2\n", "5\n", "2\n", "5\n"]
     assert not any("25" in json.dumps(r) for r in _Service.requests)

@@ -11,7 +11,10 @@ import pytest
 from megamu.reward.sandbox import SandboxLimits, probe_isolation, run_python
 from tests.reward.sandbox_checks import group_members, nothing_left_behind
 
-LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2, memory_bytes=512 << 20, max_processes=16, file_bytes=4 << 20)
+# Programs that should finish get a generous wall clock (a loaded CI machine starts interpreters slowly); programs
+# that never finish get SHORT, and the tests bound how long their failure takes.
+LIMITS = SandboxLimits(wall_s=30.0, cpu_s=2, memory_bytes=512 << 20, max_processes=16, file_bytes=4 << 20)
+SHORT = replace(LIMITS, wall_s=2.0)
 ISOLATION = probe_isolation()
 needs_namespaces = pytest.mark.skipif(not ISOLATION.namespaces,
                                       reason="mount/network/PID namespaces need root (this run: rlimits only)")
@@ -43,9 +46,9 @@ def test_scrubbed_environment():
 
 
 def test_infinite_loop_is_killed_at_the_wall_clock_limit():
-    r, elapsed = run("while True:\n    pass\n")
+    r, elapsed = run("while True:\n    pass\n", limits=SHORT)
     assert r.returncode != 0  # None: killed at the wall clock; or SIGXCPU at the CPU limit
-    assert elapsed < LIMITS.wall_s + 3
+    assert elapsed < SHORT.wall_s + 5
 
 
 def test_sleeping_background_child_does_not_survive():
@@ -55,13 +58,13 @@ def test_sleeping_background_child_does_not_survive():
 
 @needs_process_cap
 def test_fork_bomb_is_capped_and_cleaned_up():
-    r, elapsed = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
-    assert r.returncode != 0 and elapsed < LIMITS.wall_s + 5
+    r, elapsed = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+                     limits=SHORT)
+    assert r.returncode != 0 and elapsed < SHORT.wall_s + 10
     # the cap itself: children that sleep are forked until fork fails
     r, _ = run("import os, time\nn = 0\ntry:\n    while n < 1000:\n        if os.fork() == 0:\n"
                "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
-               "except OSError:\n    pass\nprint(n)",
-               limits=replace(LIMITS, wall_s=30.0))
+               "except OSError:\n    pass\nprint(n)")
     assert r.returncode == 0 and int(r.stdout) < LIMITS.max_processes
 
 
@@ -69,7 +72,7 @@ def test_memory_bomb_fails():
     r, _ = run("x = bytearray(8 << 30)")
     assert r.returncode != 0 and "MemoryError" in r.stderr
     r, _ = run("xs = []\nwhile True:\n    xs.append(bytearray(64 << 20))")
-    assert r.returncode != 0 and not r.timed_out
+    assert r.returncode != 0 and "MemoryError" in r.stderr
 
 
 def test_large_write_is_stopped_at_the_file_size_limit():
@@ -79,7 +82,7 @@ def test_large_write_is_stopped_at_the_file_size_limit():
 
 
 def test_output_is_capped():
-    r, _ = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
+    r, _ = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", limits=SHORT)
     assert r.returncode != 0 and len(r.stdout) <= LIMITS.output_bytes
 
 

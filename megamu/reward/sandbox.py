@@ -186,6 +186,7 @@ def _prepare_child(limits: SandboxLimits, isolation: Isolation, cgroup: str | No
 
 
 def _make_cgroup(root: str, max_processes: int) -> str | None:
+    """A fresh cgroup capped at ``max_processes`` tasks for one run; None if the cgroup file system refuses."""
     for attempt in range(100):
         path = os.path.join(root, f"megamu-sandbox-{os.getpid()}-{time.monotonic_ns()}-{attempt}")
         try:
@@ -194,8 +195,11 @@ def _make_cgroup(root: str, max_processes: int) -> str | None:
             continue
         except OSError:
             return None
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write(str(max_processes))
+        try:
+            Path(path, "pids.max").write_text(str(max_processes))
+        except OSError:
+            os.rmdir(path)
+            return None
         return path
     return None
 

@@ -56,7 +56,8 @@ def test_bad_code_rows_name_file_and_row(tmp_path, tok):
     assert f"{f}: row 2: 1 inputs but 0 outputs" in msg
     assert f"{f}: row 3:" in msg and "entry_point" in msg
     assert f"{f}: row 4:" in msg and "string" in msg
-    assert len(load_prompts([f], tok, answer_key="tests", skip_bad_rows=True)) == 1
+    with pytest.warns(UserWarning, match="skipped 3 bad prompt row"):
+        assert len(load_prompts([f], tok, answer_key="tests", skip_bad_rows=True)) == 1
 
 
 def test_shipped_code_task_loads(tmp_path, tok):

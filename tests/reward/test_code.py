@@ -92,8 +92,8 @@ def test_hostile_solution_scores_zero_within_the_timeout():
 
 
 def test_shipped_code_task_is_correct_by_construction():
-    rows = code_problems(12, seed=5)
-    assert rows == code_problems(12, seed=5) and rows != code_problems(12, seed=6)
+    rows = code_problems(8, seed=5)
+    assert rows == code_problems(8, seed=5) and rows != code_problems(8, seed=6)
     assert {("test" in r["tests"]) for r in rows} == {True, False}  # both layouts
     for r in rows:
         assert code_score(reference_solution(r), r["tests"], **FAST) == 1.0, r

@@ -2,7 +2,7 @@
 """Evaluate an HF folder, or every HF checkpoint of a run, on math or code benchmarks: avg@k pass@1 (App. B).
 
     python tools/evaluate.py --hf-dir MODEL --data aime24=../shared/data/aime24.jsonl --data math500=...
-    python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --engine sglang --sglang-num-servers 4
+    python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --rollout-engine sglang --sglang-num-servers 4
     python tools/convert_code_data.py --humaneval -o humaneval.jsonl
     python tools/evaluate.py --hf-dir MODEL --reward code --data humaneval=humaneval.jsonl
 
@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
+from megamu.arguments import add_engine_arguments, add_reward_arguments, answer_key, engine_config, reward_config  # noqa: E402
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
-from megamu.reward.config import REWARD_KINDS, RewardConfig  # noqa: E402
+from megamu.reward.config import RewardConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,20 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--reward-timeout", type=float, default=None,
                    help="seconds per response before it scores 0 (default: 5 for math, more for code)")
     g.add_argument("--reward-workers", type=int, default=None)
-    r = p.add_argument_group("reward (as in training)")
-    r.add_argument("--reward", choices=REWARD_KINDS, default="math",
-                   help="code: e.g. --data humaneval=... from tools/convert_code_data.py --humaneval")
-    r.add_argument("--code-reward-mode", choices=["all", "fraction"], default="all")
-    r.add_argument("--code-sandbox-url", default=None)
-    r.add_argument("--code-timeout", type=float, default=10.0, help="seconds of one program execution")
-    e = p.add_argument_group("engine")
-    e.add_argument("--engine", choices=["local", "sglang"], default="local")
-    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="local engine only")
-    e.add_argument("--max-batch-size", type=int, default=64, help="local engine only")
-    e.add_argument("--sglang-url", action="append", default=[],
-                   help="running SGLang server or router URL (repeatable); none: start servers")
-    e.add_argument("--sglang-num-servers", type=int, default=1)
-    e.add_argument("--sglang-tp-size", type=int, default=1)
+    add_reward_arguments(p)  # the trainer's reward flags, same spelling
+    add_engine_arguments(p)  # the trainer's engine flags, same spelling
     p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
     p.add_argument("--overwrite", action="store_true", help="re-evaluate checkpoints that already have a report")
     args = p.parse_args(argv)
@@ -71,13 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
-    if args.code_timeout <= 0 or (args.reward_timeout is not None and args.reward_timeout <= 0):
-        p.error("--code-timeout and --reward-timeout must be > 0")
-    if args.answer_key is None:
-        args.answer_key = "tests" if args.reward == "code" else "answer"
-    args.reward_config = RewardConfig(kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
-                                      sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
-                                      num_workers=args.reward_workers)
+    if args.reward_timeout is not None and args.reward_timeout <= 0:
+        p.error(f"--reward-timeout must be > 0, got {args.reward_timeout}")
+    args.answer_key = answer_key(args)
+    args.reward_config = reward_config(args)
     try:
         args.benchmarks = parse_benchmarks(args.data, args.samples)
     except ValueError as err:
@@ -87,22 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_factory(args: argparse.Namespace):
     """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights."""
+    from megamu.rollout import build_engine
 
-    def build(hf_dir: str):
-        from megamu.rollout import make_engine
-
-        if args.engine == "local":
-            import torch
-
-            return make_engine("local", hf_dir, dtype=getattr(torch, args.dtype), max_batch_size=args.max_batch_size)
-        urls = [u for spec in args.sglang_url for u in spec.split(",") if u]
-        engine = make_engine("sglang", hf_dir, urls=urls or None, num_servers=args.sglang_num_servers,
-                             tp_size=args.sglang_tp_size)
-        if urls:  # running servers serve whatever they loaded last: give them this checkpoint first
-            engine.update_weights(hf_dir=hf_dir)
-        return engine
-
-    return build
+    cfg = engine_config(args)
+    return lambda hf_dir: build_engine(cfg, hf_dir)
 
 
 def reward_description(cfg: RewardConfig) -> str:

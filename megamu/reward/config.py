@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamu.errors import ConfigError
+from megamu.reward.code import CODE_MODES
 from megamu.reward.pool import DEFAULT_REWARD_FN, RewardScorer
 
 REWARD_KINDS = ("math", "code")
@@ -23,11 +25,11 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.kind not in REWARD_KINDS:
-            raise ValueError(f"reward kind must be one of {REWARD_KINDS}, got {self.kind!r}")
-        if self.code_mode not in ("all", "fraction"):
-            raise ValueError(f"code_mode must be 'all' or 'fraction', got {self.code_mode!r}")
+            raise ConfigError("kind", f"must be one of {REWARD_KINDS}, got {self.kind!r}")
+        if self.code_mode not in CODE_MODES:
+            raise ConfigError("code_mode", f"must be one of {CODE_MODES}, got {self.code_mode!r}")
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise ConfigError("timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
 
     @property
     def item_timeout_s(self) -> float:

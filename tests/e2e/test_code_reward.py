@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megamu.arguments import parse_args, reward_config
+from megamu.arguments import parse_args
 from megamu.data.code_task import code_problems
 from megamu.reward import RewardConfig
 from tests.e2e.test_pretrain import launch, records, tiny  # noqa: F401 - tiny is a fixture
@@ -36,13 +36,15 @@ def test_code_reward_run_completes(tiny, tmp_path, task):  # noqa: F811
 
 
 def test_reward_flags_make_the_reward_config(tiny, tmp_path, task):  # noqa: F811
-    args, _, _ = parse_args(code_flags(tiny, tmp_path / "x", task, "--code-reward-mode", "fraction",
-                                       "--code-sandbox-url", "http://127.0.0.1:8000/run"))
-    assert args.answer_key == "tests"
-    assert reward_config(args) == RewardConfig(kind="code", code_mode="fraction",
-                                               sandbox_url="http://127.0.0.1:8000/run", timeout_s=2.0)
-    args, _, _ = parse_args(["--save", str(tmp_path / "y")])
-    assert (args.answer_key, reward_config(args)) == ("answer", RewardConfig())
+    cfg = parse_args(code_flags(tiny, tmp_path / "x", task, "--code-reward-mode", "fraction",
+                                "--code-sandbox-url", "http://127.0.0.1:8000/run"))
+    assert cfg.prompts.answer_key == "tests"
+    assert cfg.rollout.reward == RewardConfig(kind="code", code_mode="fraction",
+                                              sandbox_url="http://127.0.0.1:8000/run", timeout_s=2.0)
+    cfg = parse_args(["--save", str(tmp_path / "y")])
+    assert (cfg.prompts.answer_key, cfg.rollout.reward) == ("answer", RewardConfig())
+    cfg = parse_args(["--save", str(tmp_path / "z"), "--reward", "code", "--reward-fn", "tests.e2e.rewards:has_digit"])
+    assert cfg.rollout.reward.spec_and_kwargs() == ("tests.e2e.rewards:has_digit", {})  # --reward-fn wins
 
 
 @pytest.mark.parametrize("bad, flag", [

@@ -10,11 +10,11 @@ Every run gets:
   - stdin from /dev/null unless the test feeds it; stdout/stderr captured up to ``output_bytes``.
 When the process is root (``Isolation.namespaces``), also new mount, network and PID namespaces
 (``sandbox_init.py``): the only writable directory is the working directory (every other mount is read-only, so a
-write anywhere else fails), there is no network device but an unconfigured loopback (no connection to the host's
-127.0.0.1 or anywhere), /proc shows only the sandbox's processes, no process outside can be signalled, and every
-capability is dropped (no remount, no raising limits). With a writable pids cgroup (``Isolation.pids_cgroup``) a run
-is also capped at ``max_processes`` tasks, which bounds a fork bomb even as root; every task left in the cgroup is
-killed at the end.
+write anywhere else fails; /dev/shm too, so no POSIX semaphores for multiprocessing), there is no network device but
+an unconfigured loopback (no connection to the host's 127.0.0.1 or anywhere), /proc shows only the sandbox's
+processes, no process outside can be signalled, and every capability is dropped (no remount, no raising limits).
+With a writable pids cgroup (``Isolation.pids_cgroup``) a run is also capped at ``max_processes`` tasks, which
+bounds a fork bomb even as root; every task left in the cgroup is killed at the end.
 
 Not isolated: the file system stays readable (anything the trainer's user can read, the program can read and print);
 CPU time and memory are limited per process, not per run (up to ``max_processes`` x ``memory_bytes`` in all); disk

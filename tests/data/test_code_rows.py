@@ -9,19 +9,9 @@ import pytest
 from megamu.data import PromptDataError, load_prompts
 from megamu.data.code_task import code_problems
 from megamu.data.prompts import CODE_INSTRUCTION, DEFAULT_INSTRUCTION
-from megamu.tiny import build_char_tokenizer
+from tests.data.test_prompts import _jsonl
 
 STDIO = {"inputs": ["1\n"], "outputs": ["2\n"]}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
-
-
-def _jsonl(path, rows):
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return str(path)
 
 
 def test_code_rows_carry_their_tests_as_json_and_get_the_code_instruction(tmp_path, tok):

@@ -14,14 +14,8 @@ from megamu.data import (
     addition_problems,
     load_prompts,
 )
-from megamu.tiny import build_char_tokenizer
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
 
 
 def _jsonl(path, rows):

@@ -1,0 +1,8 @@
+import pytest
+
+from megamu.tiny import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()

@@ -14,8 +14,8 @@ from tests.training.helpers import (
     grads,
     make_samples,
     max_rel_diff,
-    rel_diffs,
     reference_loss,
+    rel_diffs,
     set_behaviour,
     tiny_model,
 )

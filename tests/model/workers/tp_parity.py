@@ -1,4 +1,5 @@
-"""torchrun worker (2 ranks): TP=2 vs TP=1 on the same weights — log-probs, entropy and every parameter gradient."""
+"""torchrun worker (2 ranks): TP=2 vs TP=1 on the same weights — log-probs, entropy and every parameter gradient;
+and log-probs of two responses packed after one shared prompt (masked attention) equal to their per-sample rows."""
 
 import sys
 
@@ -27,7 +28,22 @@ def run(arch, hf_dir, ids, weights, tp):
     for n, p in model.named_parameters():
         n = canonical_param_name(n)
         grads[n] = gather_tensor(n, p.grad, arch).clone()
-    return logp.detach(), ent.detach(), grads
+    return logp.detach(), ent.detach(), grads, shared_vs_per_sample(model, ids)
+
+
+def shared_vs_per_sample(model, ids):
+    """Log-probs of ids[0, 5:] and ids[1, 5:] after the prompt ids[0, :5]: one shared row vs one row each."""
+    from megamu.records import RolloutSample
+    from megamu.training import pack, response_logprobs
+
+    prompt = ids[0, :5].tolist()
+    samples = [RolloutSample(0, j, prompt, ids[j, 5:].tolist(), [0.0] * (ids.shape[1] - 5), 0.0, 0.0, "stop")
+               for j in range(2)]
+    with torch.no_grad():
+        shared, _ = response_logprobs(model, pack(samples, share_prompts=True), temperature=0.7)
+        per_sample, _ = response_logprobs(model, pack(samples), temperature=0.7)
+    assert (shared - per_sample).abs().max() <= 1e-5, (shared - per_sample).abs().max()
+    return shared
 
 
 def main(hf_dirs):
@@ -39,8 +55,9 @@ def main(hf_dirs):
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, arch.vocab_size, (2, 12), generator=gen)
         weights = torch.randn(2, 2, 11, generator=gen)
-        lp2, ent2, g2 = run(arch, hf_dir, ids, weights, tp=2)
-        lp1, ent1, g1 = run(arch, hf_dir, ids, weights, tp=1)
+        lp2, ent2, g2, shared2 = run(arch, hf_dir, ids, weights, tp=2)
+        lp1, ent1, g1, shared1 = run(arch, hf_dir, ids, weights, tp=1)
+        assert (shared1 - shared2).abs().max() <= 1e-5, (arch.family, (shared1 - shared2).abs().max())
         assert (lp1 - lp2).abs().max() <= 1e-5, (arch.family, (lp1 - lp2).abs().max())
         assert (ent1 - ent2).abs().max() <= 1e-5, (arch.family, (ent1 - ent2).abs().max())
         # the entropy really is the temperature-scaled one, and log-probs are normalised

@@ -104,13 +104,19 @@ def score_tokens(
     ``megamu.model.spec.PortableAttention``; the local spec only).
     """
     from megamu.model.build import unwrap
+    from megamu.model.spec import PortableAttention
 
     b, s = input_ids.shape
+    gpt = unwrap(model)
+    if attention_mask is not None and not isinstance(gpt.decoder.layers[0].self_attention.core_attention,
+                                                     PortableAttention):
+        raise ValueError("an attention mask (shared prompts) needs --transformer-impl local: other core attentions "
+                         "would not derive positions from it")
     if score_index.shape != targets.shape:
         raise ValueError(f"score_index {tuple(score_index.shape)} and targets {tuple(targets.shape)} must match")
     # megatron wants position ids; our core attention derives positions itself (0..s-1, or from the mask)
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    with _output_layer_only_at(unwrap(model), score_index):
+    with _output_layer_only_at(gpt, score_index):
         logits = model(input_ids, position_ids, attention_mask)
     return token_logprobs(logits, targets, temperature, with_entropy)
 

@@ -3,27 +3,33 @@
 1. LocalEngine tokens/s vs bare ``model.generate`` on the same prompts and model (goal: ratio >= 0.9):
    - greedy: both produce the same tokens, so the work is identical;
    - sampled at T=1 forced to full length (EOS ignored by both), n=1 and n=8 samples per prompt.
-2. ``score_batch`` items/s with the worker pool vs ``math_score`` in one process.
+2. The CPU demo's rollout (n=8 per prompt, T=1, natural stop, batches of 64), samples/s before and after the sampler
+   change (the old ``sample_tokens`` is kept below as the reference); the samples must be identical.
+3. ``score_batch`` items/s with the worker pool vs ``math_score`` in one process.
 
     python bench/rollout.py [--model tiny|smollm2] [--prompts 32] [--new-tokens 64] [--threads 2]
+                            [--demo-prompts 8] [--skip-generation] [--skip-scoring]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: no spinning on a shared machine
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems, load_prompts  # noqa: E402
 from megamu.reward import RewardScorer, math_score  # noqa: E402
+from megamu.rollout import local  # noqa: E402
 from megamu.rollout.local import LocalEngine  # noqa: E402
 from megamu.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -90,6 +96,59 @@ def bench_generation(hf_dir: str, prompts: list[list[int]], new_tokens: int, rep
               f"ratio {ours[0] / hf[0]:.2f} (per CPU-second: {ours[1] / hf[1]:.2f})")
 
 
+def before_sample_tokens(logits, temperature, top_k, top_p, uniforms):
+    """``megamu.rollout.local.sample_tokens`` as it was: every pass over [B, vocab] whether it can matter or not."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    probs = logp.exp()
+    vocab = probs.shape[-1]
+    if bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1.0).any()):
+        probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab)[None, :]
+        drop_k = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        drop_p = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        probs = probs.masked_fill(drop_k | drop_p, 0.0)
+    else:
+        order = None
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    pick = torch.minimum(pick, (cdf < cdf[:, -1:]).sum(-1))
+    tokens = pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], repeats: int) -> None:
+    """The demo's rollout shape, before vs after, interleaved; best samples per CPU-second and per wall second."""
+    engine = LocalEngine(hf_dir, max_batch_size=64)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0)
+    requests = [GenerateRequest(i, p, sp) for i, p in enumerate(prompts)]
+    after = local.sample_tokens
+    best = {"before": [0.0, 0.0], "after": [0.0, 0.0]}
+    outputs = {}
+    for _ in range(repeats):
+        for name, sampler in (("before", before_sample_tokens), ("after", after)):
+            local.sample_tokens = sampler
+            try:
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = engine.generate(requests)
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            finally:
+                local.sample_tokens = after
+            best[name] = [max(best[name][0], len(out) / dt), max(best[name][1], len(out) / cpu)]
+            outputs[name] = [(s.output_ids, s.output_logprobs) for s in out]
+    same = outputs["before"] == outputs["after"]
+    n_tok = sum(len(ids) for ids, _ in outputs["after"])
+    print(f"\n== demo rollout: {len(prompts)} prompts x 8 samples, T=1, natural stop ({n_tok / len(out):.1f} "
+          f"tokens/sample), batches of 64, {torch.get_num_threads()} threads")
+    for name, (wall, cpu) in best.items():
+        print(f"  {name:7s} {wall:6.2f} samples/s | {cpu:6.2f} samples per CPU-second")
+    print(f"  ratio after/before: {best['after'][0] / best['before'][0]:.2f} (per CPU-second: "
+          f"{best['after'][1] / best['before'][1]:.2f}); samples and log-probs identical: {same}")
+
+
 def bench_scoring(n_items: int, workers: int) -> None:
     path = DATA / "math500.jsonl"
     if not path.exists():
@@ -130,6 +189,8 @@ def main() -> None:
     ap.add_argument("--score-items", type=int, default=1000)
     ap.add_argument("--score-workers", type=int, default=2)
     ap.add_argument("--skip-scoring", action="store_true")
+    ap.add_argument("--skip-generation", action="store_true", help="skip the comparison with model.generate")
+    ap.add_argument("--demo-prompts", type=int, default=8, help="prompts for the demo-rollout case (0: skip it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +211,10 @@ def main() -> None:
         prompts = [p.prompt_ids for p in load_prompts([str(f)], tok, instruction=DEMO_INSTRUCTION,
                                                        few_shot=DEMO_FEW_SHOT)]
         print(f"model {args.model} ({hf_dir})")
-        bench_generation(hf_dir, prompts, args.new_tokens, args.repeats)
+        if not args.skip_generation:
+            bench_generation(hf_dir, prompts, args.new_tokens, args.repeats)
+        if args.demo_prompts:
+            bench_demo_rollout(hf_dir, prompts[: args.demo_prompts], args.repeats)
     if not args.skip_scoring:
         bench_scoring(args.score_items, args.score_workers)
 

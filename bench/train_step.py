@@ -1,14 +1,23 @@
-"""A full μ-GRPO ``train_step`` vs a bare forward + backward + AdamW step of the same model on the same batch.
+"""The μ-GRPO update before and after prompt sharing, and against a bare forward + backward + AdamW step.
 
-Both run in one process, interleaved (so load on a shared machine hits both alike), on the same parameters and the same
-AdamW state. The baseline is the least a trainer must do: one forward over the same micro-batches, a token-mean
-cross-entropy on the response tokens, backward, and ``torch.optim.AdamW.step``. ``train_step`` adds packing, the
-temperature-scaled log-probs, the entropy metric, the clipped surrogate with the veto, statistics, the grad-norm and
-clipping. Prints tokens/s of each, their ratio (goal >= 0.9) and peak RSS against 16 bytes/parameter
-(fp32 weights + grads + two Adam moments).
+All sides run in one process, interleaved (so load on a shared machine hits them alike), on the same parameters, the
+same AdamW state and the same minibatch (by default the CPU demo's shape: groups of 8 samples of one ~90-token
+prompt with ~25-token replies, 4 groups per update, micro-batches of 8):
 
-    python bench/train_step.py [--model smollm2|tiny] [--samples 8] [--prompt-len 64] [--response-len 192]
-                               [--micro-batch-size 4] [--iters 3] [--threads 1] [--only train_step|bare]
+- ``shared``: ``train_step(share_prompts=True)``: each group's prompt forwarded once, output layer at response
+  positions only, entropy from the loss's log-softmax (what the local spec trains with now);
+- ``per_sample``: ``train_step`` with one row per sample (the GPU path's layout), same output-layer and entropy code;
+- ``before``: the update as it was: one row per sample, output layer over every position, entropy in a second pass
+  (a reference copy of the old ``response_logprobs``, swapped in);
+- ``bare``: the least a trainer must do: one forward over per-sample rows, a token-mean cross-entropy on the response
+  tokens, backward, ``torch.optim.AdamW.step``.
+
+Prints tokens/s of each (every token of the minibatch, prompts included, as the trainer reports), the ratios, and peak
+RSS against 16 bytes/parameter (fp32 weights + grads + two Adam moments).
+
+    python bench/train_step.py [--model smollm2|tiny] [--samples 32] [--group 8] [--prompt-len 90]
+                               [--response-len 32] [--micro-batch-size 8] [--iters 2] [--threads 2]
+                               [--only shared|per_sample|before|bare]
 """
 
 from __future__ import annotations
@@ -34,7 +43,45 @@ from megamu.convert.checkpoint import load_hf_into_model  # noqa: E402
 from megamu.model import ModelArch, build_model, token_logprobs  # noqa: E402
 from megamu.records import RolloutSample  # noqa: E402
 from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, pack, train_step  # noqa: E402
+from megamu.training import step as step_module  # noqa: E402
 from megamu.training.batch import split_micro_batches  # noqa: E402
+
+OLD_ENTROPY_CHUNK_ELEMENTS = 2**23
+
+
+def before_response_logprobs(model, batch, *, temperature=1.0, with_entropy=False):
+    """The old training log-probs: logits at every position of every row, then entropy per row in position chunks,
+    each chunk computing log-probs and entropy again. Kept here as the "before" of this benchmark."""
+    ids = batch.input_ids
+    b, s = ids.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    full = model(ids, pos, None)  # [b, s, V/TP]
+    logits = full.reshape(b * s, -1)[batch.score_index]  # the response positions, [n, width, V/TP]
+    logp, _ = token_logprobs(logits, batch.targets, temperature)
+    entropy = None
+    if with_entropy:
+        n, width = batch.targets.shape
+        step = max(1, OLD_ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
+        with torch.no_grad():
+            entropy = torch.stack([
+                torch.cat([token_logprobs(logits[i : i + 1, j : j + step].detach(),
+                                          batch.targets[i : i + 1, j : j + step], temperature, True)[1][0]
+                           for j in range(0, width, step)])
+                for i in range(n)
+            ])
+    return logp, entropy
+
+
+def run_before(model, opt, samples, algo, micro_batch_size):
+    new = step_module.response_logprobs
+    step_module.response_logprobs = before_response_logprobs
+    try:
+        return train_step(model, opt, samples, algo, micro_batch_size=micro_batch_size)
+    finally:
+        step_module.response_logprobs = new
+
+
+SIDES = ("shared", "per_sample", "before", "bare")
 
 
 def rss_gib() -> float:
@@ -79,8 +126,8 @@ def bare_step(model, adamw: torch.optim.Optimizer, samples, micro_batch_size: in
         batch = pack(mb)
         ids = batch.input_ids
         pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        logits = model(ids, pos, None)[:, batch.first_column : -1]
-        logp, _ = token_logprobs(logits, ids[:, batch.first_column + 1 :])
+        logits = model(ids, pos, None).flatten(0, 1)[batch.score_index]
+        logp, _ = token_logprobs(logits, batch.targets)
         (-(logp * batch.response_mask).sum() / n_tok).backward()
     adamw.step()
 
@@ -88,14 +135,14 @@ def bare_step(model, adamw: torch.optim.Optimizer, samples, micro_batch_size: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--response-len", type=int, default=192)
-    ap.add_argument("--micro-batch-size", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", choices=("train_step", "bare"), help="run one side only (to attribute peak RSS)")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=90)
+    ap.add_argument("--response-len", type=int, default=32, help="responses of uniform length in [len/2, len]")
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", choices=SIDES, help="run one side only (to attribute peak RSS)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -112,9 +159,12 @@ def main() -> None:
     algo = ALGORITHM_PRESETS["mu-grpo"]
 
     # warm-up (allocator, AdamW state), then interleave so that load on a shared machine hits both alike
+    mbs = args.micro_batch_size
     sides = {
-        "train_step": lambda: train_step(model, opt, samples, algo, micro_batch_size=args.micro_batch_size),
-        "bare": lambda: bare_step(model, opt.opt, samples, args.micro_batch_size),
+        "shared": lambda: train_step(model, opt, samples, algo, micro_batch_size=mbs, share_prompts=True),
+        "per_sample": lambda: train_step(model, opt, samples, algo, micro_batch_size=mbs),
+        "before": lambda: run_before(model, opt, samples, algo, mbs),
+        "bare": lambda: bare_step(model, opt.opt, samples, mbs),
     }
     if args.only:
         sides = {args.only: sides[args.only]}
@@ -145,9 +195,10 @@ def main() -> None:
         "peak_rss_over_16_bytes_per_param": rss_gib() * 1024**3 / (16 * n_params),
         "threads": args.threads,
     }
-    if len(sides) == 2:
-        result["ratio_train_step_over_bare_cpu_best"] = best["bare"] / best["train_step"]
-        result["ratio_train_step_over_bare_wall_median"] = med["bare"] / med["train_step"]
+    for a, b in (("shared", "before"), ("per_sample", "before"), ("shared", "bare"), ("per_sample", "bare")):
+        if a in sides and b in sides:  # speed-up of a over b: time of b / time of a
+            result[f"ratio_{a}_over_{b}_cpu_best"] = round(best[b] / best[a], 3)
+            result[f"ratio_{a}_over_{b}_wall_median"] = round(med[b] / med[a], 3)
     print(json.dumps(result, indent=2))
     parallel.destroy_distributed()
 

@@ -51,7 +51,11 @@ class Policy:
         self.cfg = cfg
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
-        self.model = build_model(self.arch, device=cfg.device, transformer_impl=cfg.transformer_impl, bf16=cfg.bf16)
+        impl = cfg.transformer_impl or cfg.device.transformer_impl
+        self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16)
+        # a group's prompt packed once before its responses needs a per-row attention mask, which only the local
+        # spec's PortableAttention takes; TE's fused attention gets one row per sample
+        self.share_prompts = impl == "local"
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.device)
 
     def restore(self) -> dict | None:
@@ -74,14 +78,16 @@ class Policy:
         c = self.cfg
         return train_step(self.model, self.optimizer, samples, algo, micro_batch_size=c.micro_batch_size,
                           max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.temperature,
-                          skip_zero_advantage=c.skip_zero_advantage)
+                          skip_zero_advantage=c.skip_zero_advantage, share_prompts=self.share_prompts)
 
     def behaviour_anchors(self, samples: list[RolloutSample], cache: Path) -> dict[tuple[int, int], list[float]]:
         """--behaviour-logprobs recompute: b_t = this policy's log-probs of ``samples``, cached in ``cache``."""
         if cache.exists():
             return torch.load(cache)
         values = compute_logprobs(self.model, samples, temperature=self.cfg.temperature,
-                                  micro_batch_size=self.cfg.micro_batch_size)
+                                  micro_batch_size=self.cfg.micro_batch_size,
+                                  max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
+                                  share_prompts=self.share_prompts)
         anchors = {(s.prompt_id, s.sample_index): v for s, v in zip(samples, values)}
         if parallel.is_main_rank():
             atomic_write(cache, lambda tmp: torch.save(anchors, tmp))

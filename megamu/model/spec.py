@@ -56,10 +56,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PortableAttention(torch.nn.Module):
-    """Causal GQA attention with HF-convention (non-interleaved) RoPE applied inside, on torch SDPA.
+    """GQA attention with HF-convention (non-interleaved) RoPE applied inside, on torch SDPA.
 
-    Positions are 0..s-1 for every sequence: right padding is safe (causality keeps real tokens from seeing it);
-    left padding and packed sequences are not supported. The attention mask argument is therefore ignored.
+    Without an attention mask: causal, positions 0..s-1 for every sequence (right padding is safe: causality keeps
+    real tokens from seeing it; left padding is not supported). With a mask (megatron's convention: bool
+    [b, 1, s, s], True = masked out): the mask must let each token see exactly the tokens before it in its own
+    sequence, itself included, as when several responses follow one shared prompt in a row (see
+    ``megamu.training.batch``). A token's position is then the number of tokens it sees, minus one.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -70,12 +73,11 @@ class PortableAttention(torch.nn.Module):
         # a plain attribute, not a buffer: Float16Module's .bfloat16() would round the frequencies (RoPE off HF's)
         self.inv_freq = rope_inv_freq(arch)
 
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, heads, d]
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x: [s, b, heads, d]; pos: [s, b] or [s, 1]
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
-        pos = torch.arange(x.shape[0], device=x.device, dtype=torch.float)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        freqs = pos.to(torch.float)[:, :, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         return x * cos + _rotate_half(x) * sin
 
@@ -83,9 +85,15 @@ class PortableAttention(torch.nn.Module):
                 packed_seq_params=None):
         if packed_seq_params is not None:
             raise NotImplementedError("PortableAttention does not support packed sequences")
-        q, k = self._rope(query), self._rope(key)
+        if attention_mask is None:
+            pos = torch.arange(query.shape[0], device=query.device)[:, None]
+            visible = None
+        else:
+            visible = ~attention_mask
+            pos = visible.sum(-1)[:, 0].T - 1  # [s, b]
+        q, k = self._rope(query, pos), self._rope(key, pos)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None, scale=self.scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -44,7 +44,9 @@ def sample_tokens(
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    # Every pass over [B, vocab] costs about as much as the output layer of a decode step: skip the ones that cannot
+    # change anything (x / 1 is x exactly; argmax only for greedy rows).
+    logp = torch.log_softmax(logits if bool((temp == 1).all()) else logits / temp[:, None], dim=-1)
     probs = logp.exp()
     vocab = probs.shape[-1]
     if bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1.0).any()):
@@ -56,12 +58,15 @@ def sample_tokens(
     else:
         order = None
     cdf = probs.cumsum(-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    total = cdf[:, -1:].contiguous()
+    pick = torch.searchsorted(cdf, uniforms[:, None] * total, right=True).squeeze(1)
     # u * total can round up to total (u itself can round to 1.0 in float32): searchsorted then runs off the end,
-    # and the last index may be a token top-k / top-p removed. Fall back to the last token with probability > 0.
-    pick = torch.minimum(pick, (cdf < cdf[:, -1:]).sum(-1))
+    # and the last index may be a token top-k / top-p removed. Fall back to the last token with probability > 0: the
+    # number of CDF entries below the total (the CDF never decreases, so a binary search counts them).
+    pick = torch.minimum(pick, torch.searchsorted(cdf, total, right=False).squeeze(1))
     tokens = pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 

@@ -157,6 +157,10 @@ def run_rollout_phase(
             bar.update(len(flat))
             crash_point("shard", k)
         dt = max(time.monotonic() - t0, 1e-9)
+        if c == 0 and len(missing) > len(call):  # one estimate, as soon as there is a measured shard to base it on
+            left = (len(missing) - len(call)) * dt / len(call)
+            bar.write(f"[rollout] stage {stage}: {dt / len(call):.0f}s per shard of {groups_per_shard} groups on "
+                      f"this machine: about {left / 60:.1f} min more for this stage's rollout")
         bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
                         reward=f"{reward_sum / n_done:.3f}")
     bar.close()

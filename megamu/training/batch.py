@@ -1,8 +1,15 @@
-"""Rollout samples -> right-padded tensors, micro-batches and data-parallel shares.
+"""Rollout samples -> model input rows, scored positions, micro-batches and data-parallel shares.
 
-Frame: ``forward_logprobs`` returns log π(input_ids[:, j+1]) at column j, so response token t of a sample whose prompt
-has P tokens sits at column P - 1 + t. A packed batch keeps only the columns from the first one that holds any response
-token (``first_column``), so the prompt-only columns never reach the loss.
+Response frame: every per-token tensor is [n_samples, width] with column t = response token t (width = the longest
+response), whatever the rows the model reads look like. Two row layouts:
+
+- one sample per row: prompt + response, right-padded, causal. Response token t of a sample whose prompt has P
+  tokens is predicted at position P - 1 + t.
+- ``share_prompts``: consecutive samples with the same prompt (a group) share one row, prompt first, then each
+  response (without its last token, which predicts nothing): [prompt | r_1[:-1] | r_2[:-1] | ...]. An attention mask
+  lets each response see the prompt and its own earlier tokens only, so every token sees exactly what it sees in its
+  own row above and log-probs and gradients are the same; the prompt is forwarded once per group instead of G times.
+  Response token 0 of every sample is predicted at the prompt's last position.
 """
 
 from __future__ import annotations
@@ -13,29 +20,32 @@ import torch
 
 from megamu.records import RolloutSample
 
-PAD_ID = 0  # any valid id: padded positions are never attended to by real tokens (causal) and never scored
+PAD_ID = 0  # any valid id: padded positions are never attended to by real tokens and never scored
 
 
 @dataclass
 class PackedBatch:
-    input_ids: torch.Tensor  # [b, s] int64, prompt + response, right-padded
-    response_mask: torch.Tensor  # [b, s - 1 - first_column] bool, True on response tokens
-    behaviour_logp: torch.Tensor  # same shape, float32, 0 outside the response
-    advantages: torch.Tensor  # [b] float32
-    first_column: int  # column of the shifted [b, s - 1] log-prob frame where the tensors above start
+    input_ids: torch.Tensor  # [rows, s] int64: what the model reads
+    attention_mask: torch.Tensor | None  # [rows, 1, s, s] bool, True = masked (shared prompts); None = causal rows
+    score_index: torch.Tensor  # [n, width] int64: flat position (row * s + column) that predicts targets[i, t]
+    targets: torch.Tensor  # [n, width] int64: response tokens, PAD_ID outside the response
+    response_mask: torch.Tensor  # [n, width] bool, True on response tokens
+    behaviour_logp: torch.Tensor  # [n, width] float32, 0 outside the response
+    advantages: torch.Tensor  # [n] float32
 
     @property
     def n_sequences(self) -> int:
-        return self.input_ids.shape[0]
+        return self.response_mask.shape[0]
 
     @property
     def n_tokens(self) -> int:
         return int(self.response_mask.sum())
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return PackedBatch(
-            self.input_ids.to(device), self.response_mask.to(device), self.behaviour_logp.to(device),
-            self.advantages.to(device), self.first_column,
+            self.input_ids.to(device), mask, self.score_index.to(device), self.targets.to(device),
+            self.response_mask.to(device), self.behaviour_logp.to(device), self.advantages.to(device),
         )
 
 
@@ -50,27 +60,70 @@ def _check(sample: RolloutSample) -> None:
         )
 
 
-def pack(samples: list[RolloutSample]) -> PackedBatch:
-    """Right-pad ``samples`` into one batch (see the module docstring for the column frame)."""
+def prompt_groups(samples: list[RolloutSample]) -> list[list[RolloutSample]]:
+    """Runs of consecutive samples with the same prompt (same id and tokens): one shared row each."""
+    runs: list[list[RolloutSample]] = []
+    for s in samples:
+        if runs and runs[-1][0].prompt_id == s.prompt_id and runs[-1][0].prompt_ids == s.prompt_ids:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
+def row_lengths(samples: list[RolloutSample], share_prompts: bool) -> list[int]:
+    """Tokens of each row ``pack`` makes of ``samples``."""
+    if not share_prompts:
+        return [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    return [len(g[0].prompt_ids) + sum(max(len(s.response_ids) - 1, 0) for s in g) for g in prompt_groups(samples)]
+
+
+def pack(samples: list[RolloutSample], share_prompts: bool = False) -> PackedBatch:
+    """Rows, scored positions and the response frame of ``samples`` (see the module docstring for the layouts)."""
     if not samples:
         raise ValueError("pack() needs at least one rollout sample")
     for s in samples:
         _check(s)
-    seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    first = min(len(s.prompt_ids) for s in samples) - 1
-    width = seq_len - 1 - first
-    b = len(samples)
-    input_ids = torch.full((b, seq_len), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.bool)
-    behaviour = torch.zeros((b, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        start = p - 1 - first
-        mask[i, start : start + r] = True
-        behaviour[i, start : start + r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    rows = prompt_groups(samples) if share_prompts else [[s] for s in samples]
+    seq_len = max(row_lengths(samples, share_prompts))
+    n, width = len(samples), max(max(len(s.response_ids) for s in samples), 1)
+    input_ids = torch.full((len(rows), seq_len), PAD_ID, dtype=torch.long)
+    visible = torch.zeros((len(rows), seq_len, seq_len), dtype=torch.bool) if share_prompts else None
+    index = torch.zeros((n, width), dtype=torch.long)
+    targets = torch.full((n, width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    behaviour = torch.zeros((n, width), dtype=torch.float32)
+    i = 0
+    for row, group in enumerate(rows):
+        p = len(group[0].prompt_ids)
+        base = row * seq_len
+        input_ids[row, :p] = torch.tensor(group[0].prompt_ids, dtype=torch.long)
+        if visible is not None:
+            visible[row, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        end = p  # where the next response's inputs go (shared rows)
+        for s in group:
+            r = len(s.response_ids)
+            response = torch.tensor(s.response_ids, dtype=torch.long)
+            if visible is None:
+                input_ids[row, p : p + r] = response
+                index[i, :r] = base + p - 1 + torch.arange(r)
+            else:
+                k = max(r - 1, 0)  # inputs r_0 .. r_(r-2): the last token predicts nothing
+                input_ids[row, end : end + k] = response[:k]
+                visible[row, end : end + k, :p] = True
+                visible[row, end : end + k, end : end + k] = torch.ones(k, k, dtype=torch.bool).tril()
+                index[i, :r] = base + torch.cat((torch.tensor([p - 1]), end + torch.arange(k)))[:r]
+                end += k
+            targets[i, :r] = response
+            mask[i, :r] = True
+            behaviour[i, :r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            i += 1
+        if visible is not None:  # padding sees itself only: no empty softmax row (its output is never read)
+            pad = torch.arange(end, seq_len)
+            visible[row, pad, pad] = True
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return PackedBatch(input_ids, mask, behaviour, advantages, first)
+    attention_mask = None if visible is None else ~visible[:, None]
+    return PackedBatch(input_ids, attention_mask, index, targets, mask, behaviour, advantages)
 
 
 def unpack_response(values: torch.Tensor, batch: PackedBatch) -> list[list[float]]:
@@ -81,27 +134,30 @@ def unpack_response(values: torch.Tensor, batch: PackedBatch) -> list[list[float
 
 
 def split_micro_batches(
-    samples: list[RolloutSample], micro_batch_size: int, max_tokens_per_micro_batch: int | None = None
+    samples: list[RolloutSample], micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
+    share_prompts: bool = False,
 ) -> list[list[RolloutSample]]:
     """Consecutive micro-batches of at most ``micro_batch_size`` samples and, when given, at most
-    ``max_tokens_per_micro_batch`` padded tokens (rows x longest prompt+response), the quantity activation memory
-    follows. A single sample over the budget still gets a micro-batch of its own."""
+    ``max_tokens_per_micro_batch`` padded tokens (rows x longest row as ``pack`` lays them out), the quantity
+    activation memory follows. A single sample over the budget still gets a micro-batch of its own."""
     if micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1, got {micro_batch_size}")
     if max_tokens_per_micro_batch is not None and max_tokens_per_micro_batch < 1:
         raise ValueError(f"--max-tokens-per-micro-batch must be >= 1, got {max_tokens_per_micro_batch}")
+
+    def padded_tokens(mb: list[RolloutSample]) -> int:
+        lengths = row_lengths(mb, share_prompts)
+        return len(lengths) * max(lengths)
+
     out: list[list[RolloutSample]] = []
     current: list[RolloutSample] = []
-    longest = 0
     for s in samples:
-        n = len(s.prompt_ids) + len(s.response_ids)
-        grown = max(longest, n)
-        over_budget = max_tokens_per_micro_batch is not None and grown * (len(current) + 1) > max_tokens_per_micro_batch
+        budget = max_tokens_per_micro_batch
+        over_budget = budget is not None and padded_tokens([*current, s]) > budget
         if current and (len(current) == micro_batch_size or over_budget):
             out.append(current)
-            current, grown = [], n
+            current = []
         current.append(s)
-        longest = grown
     if current:
         out.append(current)
     return out

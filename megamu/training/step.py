@@ -20,18 +20,19 @@ import torch.distributed as dist
 
 from megamu import parallel
 from megamu.algo import AlgoConfig, policy_loss
-from megamu.model import token_logprobs
+from megamu.model import score_tokens
 from megamu.records import RolloutSample
 from megamu.training.batch import (
     PackedBatch,
     data_parallel_bounds,
     data_parallel_share,
     pack,
+    prompt_groups,
+    row_lengths,
     split_micro_batches,
     unpack_response,
 )
 
-ENTROPY_CHUNK_ELEMENTS = 2**23  # logits entries per entropy chunk (32 MiB in fp32)
 # policy_loss stats that are means over response tokens (re-weighted by token counts across micro-batches and ranks)
 TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ratio_mean", "approx_kl")
 
@@ -39,30 +40,22 @@ TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ra
 def response_logprobs(
     model, batch: PackedBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy, without gradient) in the batch's response frame [b, width].
+    """Log-probs (and entropy) of the batch's response tokens, in its response frame [n, width]: ``score_tokens``
+    on the batch's rows, with the output layer applied at the response positions only."""
+    return score_tokens(model, batch.input_ids, batch.score_index, batch.targets, attention_mask=batch.attention_mask,
+                        temperature=temperature, with_entropy=with_entropy)
 
-    Like ``megamu.model.forward_logprobs`` but the log-softmax only runs over the columns that hold response tokens.
-    """
-    ids = batch.input_ids
-    b, s = ids.shape
-    position_ids = torch.arange(s, device=ids.device).unsqueeze(0).expand(b, s)
-    logits = model(ids, position_ids, None)[:, batch.first_column : -1]
-    targets = ids[:, batch.first_column + 1 :]
-    logp, _ = token_logprobs(logits, targets, temperature)
-    entropy = None
-    if with_entropy:  # a metric only: no graph, in chunks, so its vocab-sized temporaries stay small
-        width = logits.shape[1]
-        step = max(1, ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
-        with torch.no_grad():
-            entropy = torch.stack([
-                torch.cat([
-                    token_logprobs(logits[i : i + 1, j : j + step].detach(), targets[i : i + 1, j : j + step],
-                                   temperature, True)[1][0]
-                    for j in range(0, width, step)
-                ])
-                for i in range(b)
-            ])
-    return logp, entropy
+
+def length_order(samples: list[RolloutSample], share_prompts: bool) -> list[int]:
+    """Indices of ``samples`` by row length, so that rows of similar length share a micro-batch (less padding).
+    With shared prompts a group's samples stay together, in their order, as they share one row."""
+    if not share_prompts:
+        return sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + samples[i].response_length)
+    runs, start = [], 0
+    for group in prompt_groups(samples):
+        runs.append((row_lengths(group, True)[0], range(start, start + len(group))))
+        start += len(group)
+    return [i for _, run in sorted(runs, key=lambda r: r[0]) for i in run]
 
 
 def _device(model) -> torch.device:
@@ -79,6 +72,7 @@ def train_step(
     max_tokens_per_micro_batch: int | None = None,
     temperature: float = 1.0,
     skip_zero_advantage: bool = False,
+    share_prompts: bool = False,
 ) -> dict[str, float]:
     """One update on the minibatch ``samples`` (the same list on every rank). Returns metrics for the minibatch.
 
@@ -99,8 +93,9 @@ def train_step(
     if skip_zero_advantage:
         local = [s for s in local if s.advantage != 0.0]
     # Shorter rows together waste less padding; the gradient is a sum over micro-batches, so the order is free.
-    local.sort(key=lambda s: len(s.prompt_ids) + s.response_length)
-    micro_batches = split_micro_batches(local, micro_batch_size, max_tokens_per_micro_batch) if local else []
+    local = [local[i] for i in length_order(local, share_prompts)]
+    micro_batches = (split_micro_batches(local, micro_batch_size, max_tokens_per_micro_batch, share_prompts)
+                     if local else [])
 
     # Sums over this rank's micro-batches, all-reduced over DP below.
     sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", *TOKEN_STATS), 0.0)
@@ -109,8 +104,9 @@ def train_step(
 
     optimizer.zero_grad()
     for mb in micro_batches:
-        batch = pack(mb).to(device)
+        batch = pack(mb, share_prompts).to(device)
         logp, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=True)
+        entropy = entropy.detach()  # a metric: dropping its graph now frees its vocab-sized temporaries
         loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, algo)
         mb_tok = st["n_tokens"]
         weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
@@ -134,10 +130,10 @@ def train_step(
 
     keys = list(sums)
     totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
-    lr_min = torch.tensor([log_ratio_min], dtype=torch.float64, device=device)
+    min_log_ratio = torch.tensor([log_ratio_min], dtype=torch.float64, device=device)
     if parallel.dp_size() > 1:
         dist.all_reduce(totals, group=parallel.dp_group())
-        dist.all_reduce(lr_min, op=dist.ReduceOp.MIN, group=parallel.dp_group())
+        dist.all_reduce(min_log_ratio, op=dist.ReduceOp.MIN, group=parallel.dp_group())
     t = dict(zip(keys, totals.tolist()))
     elapsed = time.perf_counter() - start
 
@@ -151,7 +147,7 @@ def train_step(
         **{k: per(k, t["tokens"]) for k in TOKEN_STATS},
         "veto_sequence_fraction": per("veto_sequence_fraction", t["rows"]),
         "ratio_neg_adv_mean": per("ratio_neg_adv", t["neg_tokens"]),
-        "log_ratio_min": float(lr_min) if math.isfinite(float(lr_min)) else float("nan"),
+        "log_ratio_min": float(min_log_ratio) if math.isfinite(float(min_log_ratio)) else float("nan"),
         "entropy": per("entropy", t["tokens"]),
         "grad_norm": grad_norm,
         "lr": lr,
@@ -175,18 +171,20 @@ def train_step(
 @torch.no_grad()
 def compute_logprobs(
     model, samples: list[RolloutSample], *, temperature: float = 1.0, micro_batch_size: int = 8,
-    max_tokens_per_micro_batch: int | None = None,
+    max_tokens_per_micro_batch: int | None = None, share_prompts: bool = False,
 ) -> list[list[float]]:
-    """log π_θ of every response token of ``samples`` (same list on every rank), in order; DP ranks split the work."""
+    """log π_θ of every response token of ``samples`` (same list on every rank), in order; DP ranks split the work.
+    ``share_prompts`` as in ``train_step``."""
     device = _device(model)
     rank, size = parallel.dp_rank(), parallel.dp_size()
     cuts = data_parallel_bounds(samples, size)
     mine = range(cuts[rank], cuts[rank + 1])
-    order = sorted(mine, key=lambda i: len(samples[i].prompt_ids) + samples[i].response_length)
+    order = [mine[i] for i in length_order([samples[i] for i in mine], share_prompts)]
     results: dict[int, list[float]] = {}
     done = 0
-    for chunk in split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch):
-        batch = pack(chunk).to(device)
+    for chunk in split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch,
+                                     share_prompts):
+        batch = pack(chunk, share_prompts).to(device)
         logp, _ = response_logprobs(model, batch, temperature=temperature)
         for i, values in zip(order[done : done + len(chunk)], unpack_response(logp, batch)):
             results[i] = values

@@ -16,6 +16,7 @@ from tests.training.helpers import (
     make_samples,
     max_rel_diff,
     reference_loss,
+    rel_diffs,
     set_behaviour,
     tiny_model,
 )
@@ -124,24 +125,58 @@ def test_mu_grpo_updates_lower_loss_and_report_veto_and_clip(tiny, batch):
     load_hf_into_model(model, arch, hf)
 
 
-def test_response_logprobs_and_chunked_entropy_match_softmax(tiny, monkeypatch):
-    import megamu.training.step as step_module
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_response_logprobs_and_entropy_match_softmax_of_full_logits(tiny, share_prompts):
     from megamu.training import pack, response_logprobs
 
     model, arch, _ = tiny
-    samples = make_samples(2, 2, arch.vocab_size, seed=9, response_len=(5, 9))
-    batch = pack(samples)
-    monkeypatch.setattr(step_module, "ENTROPY_CHUNK_ELEMENTS", 3 * 128)  # 3 positions per chunk (padded vocab 128)
+    samples = make_samples(2, 3, arch.vocab_size, seed=9, response_len=(1, 9))
+    batch = pack(samples, share_prompts)
     with torch.no_grad():
         logp, entropy = response_logprobs(model, batch, temperature=0.8, with_entropy=True)
-        ids = batch.input_ids
-        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        z = model(ids, pos, None)[:, batch.first_column : -1, : arch.vocab_size].double() / 0.8
-    ref_logp = torch.log_softmax(z, -1).gather(-1, ids[:, batch.first_column + 1 :, None])[..., 0]
-    ref_entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
-    mask = batch.response_mask
-    torch.testing.assert_close(logp[mask].double(), ref_logp[mask], rtol=0, atol=2e-5)
-    torch.testing.assert_close(entropy[mask].double(), ref_entropy[mask], rtol=0, atol=2e-5)
+    for i, s in enumerate(samples):  # reference: every position's logits of the sample alone, softmax in fp64
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            z = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, : arch.vocab_size].double() / 0.8
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ref = torch.log_softmax(z[p - 1 : p - 1 + r], -1)
+        assert batch.response_mask[i].sum() == r
+        torch.testing.assert_close(logp[i, :r].double(), ref.gather(-1, ids[0, p:, None])[:, 0], rtol=0, atol=2e-5)
+        torch.testing.assert_close(entropy[i, :r].double(), -(ref.exp() * ref).sum(-1), rtol=0, atol=2e-5)
+
+
+def test_shared_prompts_give_the_per_sample_gradient_in_fp64(distributed, tmp_path):
+    # fp64 weights (the local spec's norms stay fp32): the two layouts differ only in summation order. Bounds: the
+    # dtype's epsilon times the tokens a gradient sums over, far below any real difference (a response seeing another
+    # response, a wrong RoPE position: ~1e-2)
+    model, arch = tiny_model(tmp_path / "hf", params_dtype=torch.float64)
+    samples = make_samples(3, 4, arch.vocab_size, seed=4, response_len=(1, 10))
+    from megamu.training import pack, response_logprobs
+
+    with torch.no_grad():
+        one, one_h = response_logprobs(model, pack(samples), with_entropy=True)
+        shared, shared_h = response_logprobs(model, pack(samples, share_prompts=True), with_entropy=True)
+    assert shared.dtype == torch.float64
+    torch.testing.assert_close(shared, one, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(shared_h, one_h, rtol=1e-12, atol=1e-12)
+    per_sample = compute_logprobs(model, samples, micro_batch_size=5)
+    assert compute_logprobs(model, samples, micro_batch_size=5, share_prompts=True) == per_sample  # both fp32-rounded
+    set_behaviour(samples, per_sample, noise=0.4)
+    add_triggers(samples, per_sample, n_veto=1, n_clip=1)
+    algo = ALGORITHM_PRESETS["mu-grpo"]
+    metrics = {}
+    for share, mbs in ((False, 4), (True, 4), (True, 12)):  # groups whole or split over micro-batches
+        opt = capture_optimizer(model)
+        metrics[share, mbs] = train_step(model, opt, samples, algo, micro_batch_size=mbs, share_prompts=share)
+        if not share:
+            ref = opt.grads
+        else:
+            n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            for name, diff in rel_diffs(opt.grads, ref).items():
+                assert diff <= torch.finfo(ref[name].dtype).eps * n_tokens, (mbs, name, diff)
+    for key in ("loss", "entropy", "clip_fraction", "veto_token_fraction", "ratio_mean", "log_ratio_min"):
+        for run in ((True, 4), (True, 12)):
+            assert metrics[run][key] == pytest.approx(metrics[False, 4][key], rel=1e-10, abs=1e-12), (key, run)
 
 
 def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged(tiny64, batch64):

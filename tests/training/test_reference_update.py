@@ -66,7 +66,8 @@ class RecordingAdamW(TorchAdamW):
         self.arch, self.grads = arch, []
 
     def step(self):
-        tensors = mcore_to_hf_tensors(self.arch, [(n, p.grad.detach().clone()) for n, p in _named_parameters(self.model)])
+        named = [(n, p.grad.detach().clone()) for n, p in _named_parameters(self.model)]
+        tensors = mcore_to_hf_tensors(self.arch, named)
         self.grads.append({n: g[: self.arch.vocab_size] if "embed" in n else g for n, g in tensors})
         return super().step()
 

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-fn", default=None, help="module:function(response, ground_truth) -> float")
 
     g = p.add_argument_group("μ-GRPO stages")
-    g.add_argument("--num-stages", type=int, default=8)
+    g.add_argument("--num-stages", type=int, default=2)
     g.add_argument("--prompts-per-stage", type=int, default=None, help="B_train: prompt groups per rollout stage")
     g.add_argument("--prompts-per-update", type=int, default=None, help="B_mini: prompt groups per optimiser update")
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
@@ -137,8 +137,8 @@ def resolve_batch_sizes(args: argparse.Namespace) -> None:
         if v is not None and v <= 0:
             _error(flag, f"must be a positive integer, got {v}")
     given = sum(v is not None for v in (b_train, b_mini, mu))
-    if given == 0:  # the CPU demo: 16 prompts per stage, 4 per update (μ = 4: docs/learning.md)
-        b_train, b_mini = 16, 4
+    if given == 0:  # the CPU demo: 64 prompts per stage, 4 per update
+        b_train, b_mini = 64, 4
     elif given == 1 and b_mini is None:
         b_mini = 4 if b_train is None else min(4, b_train)
     elif given == 1:

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("run control")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
-    g.add_argument("--eval-prompts", type=int, default=50, help="held-out greedy evaluation at start and end (0: off)")
+    g.add_argument("--eval-prompts", type=int, default=100, help="held-out greedy evaluation at start and end (0: off)")
     return p
 
 

@@ -47,10 +47,16 @@ def save_mcore(
     """Write canonical tensors as an mcore folder, atomically."""
     with atomic_dir(out_dir) as tmp:
         write_sharded(tensors, tmp, max_shard_bytes, {"format": "megamu-mcore", **(metadata or {})})
-        (tmp / ARCH_FILE).write_text(json.dumps(arch.to_dict(), indent=2) + "\n")
-        (tmp / HF_META).mkdir()
-        copy_meta_files(_meta_dir(hf_source_dir), tmp / HF_META)
+        write_mcore_meta(tmp, arch, hf_source_dir)
     return Path(out_dir)
+
+
+def write_mcore_meta(folder: Path, arch: ModelArch, hf_source_dir: str | Path | None) -> None:
+    """The non-tensor part of an mcore folder: megamu_arch.json and (given the run's HF source) hf_meta/."""
+    (folder / ARCH_FILE).write_text(json.dumps(arch.to_dict(), indent=2) + "\n")
+    if hf_source_dir is not None:
+        (folder / HF_META).mkdir()
+        copy_meta_files(_meta_dir(hf_source_dir), folder / HF_META)
 
 
 def load_mcore_into_model(model, arch: ModelArch, mcore_dir: str | Path) -> None:

@@ -134,7 +134,7 @@ def main(hf_dir: str, ckpt_dir: str) -> None:
     assert load_checkpoint(ckpt_dir, model4, arch, opt4)["iteration"] == 2
     worst = close_logprobs(compute_logprobs(model4, samples, micro_batch_size=4), lp_tp1, 1e-5)
     log(f"TP=1 checkpoint loaded at TP=2: max |Δ log-prob| {worst:.2e}")
-    assert opt4.state_dict() == {"iteration": 2}
+    assert opt4.state_dict()["iteration"] == 2
     log("OK")
     parallel.destroy_distributed()
 

@@ -19,3 +19,18 @@ def test_data_and_tensor_parallel_training_and_resharding(tmp_path, family):
     print(proc.stdout)
     assert proc.stdout.strip().endswith("OK")
     assert "max rel grad diff" in proc.stdout and "TP=1 checkpoint loaded at TP=2" in proc.stdout
+
+
+WAIT_WORKER = Path(__file__).parent / "workers" / "wait_worker.py"
+
+
+def test_ranks_wait_for_a_long_rank0_phase_on_the_cpu_group_despite_a_short_timeout(tmp_path):
+    proc = run_torchrun(WAIT_WORKER, 2, "wait", str(tmp_path), timeout=120)
+    waited = [float(line.split()[3][:-1]) for line in proc.stdout.splitlines() if "waited" in line]
+    assert len(waited) == 2 and max(waited) > 3.0, proc.stdout  # rank 1 waited past the 3 s timeout and survived
+
+
+def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
+    with pytest.raises(AssertionError, match="failed") as failure:  # the control: same wait through the default group
+        run_torchrun(WAIT_WORKER, 2, "barrier", str(tmp_path), timeout=120)
+    assert "rank 1 initialised" in str(failure.value) and "Timed out" in str(failure.value)

@@ -15,9 +15,11 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     perform_initialization: bool = True,
+    recompute_granularity: str | None = None,
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
-    perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models)."""
+    perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
+    ``recompute_granularity``: Megatron's --recompute-granularity ("full" / "selective"), see ``recompute_fields``."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -25,7 +27,8 @@ def build_model(
         raise RuntimeError("build_model: call megamu.parallel.init_distributed(...) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(arch, tp=tp, params_dtype=params_dtype, bf16=bf16, transformer_impl=transformer_impl,
-                                perform_initialization=perform_initialization)
+                                perform_initialization=perform_initialization,
+                                recompute_granularity=recompute_granularity)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, transformer_impl),

@@ -218,11 +218,29 @@ def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
     # temp/old folders of atomic_dir and half deletions, left by a killed run (one run writes a save_dir at a time)
     doomed += [d for d in save_dir.glob(".iter_*") if d.is_dir()]
     for d in doomed:
-        trash = d if d.name.startswith(".") else d.with_name(f".{d.name}.deleting-{os.getpid()}")
-        if trash != d:
-            os.replace(d, trash)
-        shutil.rmtree(trash)
+        _remove_dir(d)
     return doomed
+
+
+def _remove_dir(d: Path) -> None:
+    """Rename out of the visible namespace first, so a crash mid-delete leaves no half folder that looks complete."""
+    trash = d if d.name.startswith(".") else d.with_name(f".{d.name}.deleting-{os.getpid()}")
+    if trash != d:
+        os.replace(d, trash)
+    shutil.rmtree(trash)
+
+
+def prune_stage_export(hf_dir: str | Path, rollout_manifest: str | Path) -> bool:
+    """Delete a stage's HF export (``hf/stage_k``) once the rollout it served is durable (its manifest is written):
+    the stage's data no longer needs it, and a resume skips that rollout. Returns whether a folder was deleted.
+    Callers keep ``hf/final`` and the ``--hf-export-interval`` folders by never passing them."""
+    hf_dir = Path(hf_dir)
+    if not Path(rollout_manifest).exists() or not hf_dir.is_dir():
+        return False
+    _remove_dir(hf_dir)
+    for leftover in hf_dir.parent.glob(f".{hf_dir.name}.deleting-*"):  # a delete a killed run left half done
+        shutil.rmtree(leftover)
+    return True
 
 
 def latest_iteration(load_dir: str | Path) -> int | None:

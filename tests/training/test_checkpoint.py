@@ -140,3 +140,19 @@ def test_failed_write_leaves_previous_checkpoint_untouched(run, tmp_path, monkey
     assert sorted(p.name for p in save.iterdir()) == before  # no temp folder, tracker still at 1
     model, opt = fresh(run["arch"])
     assert load_checkpoint(save, model, run["arch"], opt)["iteration"] == 1
+
+
+def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
+    from megamu.training.checkpoint import prune_stage_export
+
+    hf = tmp_path / "hf" / "stage_0"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    manifest = tmp_path / "rollouts" / "stage_0" / "manifest.json"
+    assert not prune_stage_export(hf, manifest) and hf.exists()  # rollout not finished: the export may be needed
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    (tmp_path / "hf" / ".stage_0.deleting-1").mkdir()  # left by a killed delete
+    assert prune_stage_export(hf, manifest)
+    assert list((tmp_path / "hf").iterdir()) == []
+    assert not prune_stage_export(hf, manifest)  # idempotent on resume

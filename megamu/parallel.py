@@ -13,6 +13,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megamu.device import CPU, Device
+from megamu.errors import ConfigError
+
+_device: Device = CPU  # set by init_distributed: the device this process trains on
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -21,14 +26,17 @@ def _free_port() -> int:
 
 
 def init_distributed(
-    tensor_model_parallel_size: int = 1, seed: int = 0, distributed_timeout_minutes: float | None = None
+    tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU,
+    distributed_timeout_minutes: float | None = None,
 ) -> None:
     """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice.
 
-    ``distributed_timeout_minutes`` (Megatron's --distributed-timeout-minutes; fractions allowed) bounds every
+    ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
     ranks 1..N during the rank-0 rollout, go through ``wait_for_main_rank`` instead."""
     from megatron.core import parallel_state, tensor_parallel
+
+    global _device
 
     tp = int(tensor_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
@@ -38,11 +46,10 @@ def init_distributed(
                 f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for {tp}"
             )
         return
+    _device = device
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if cuda else "gloo"
+        device.bind(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = device.backend
         timeout = _timeout(distributed_timeout_minutes)
         if "RANK" in os.environ:  # torchrun
             dist.init_process_group(backend, **timeout)
@@ -59,14 +66,19 @@ def init_distributed(
         distributed_timeout_minutes))
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not device.is_cuda)
+
+
+def device() -> Device:
+    """The device given to init_distributed (CPU before it)."""
+    return _device
 
 
 def _timeout(minutes: float | None) -> dict:
     if minutes is None:
         return {}
     if not minutes > 0:
-        raise ValueError(f"--distributed-timeout-minutes must be > 0, got {minutes}")
+        raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {minutes}")
     return {"timeout": timedelta(minutes=minutes)}
 
 

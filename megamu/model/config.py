@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megamu.errors import ConfigError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -119,13 +121,13 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
 def recompute_fields(granularity: str | None) -> dict:
-    """TransformerConfig fields for Megatron's --recompute-granularity: "full" recomputes every layer in the backward
+    """TransformerConfig fields for a recompute granularity: "full" recomputes every layer in the backward
     (Megatron-LM's usual --recompute-method uniform --recompute-num-layers 1), "selective" only the core attention
     (megatron-core's default recompute_modules), the part whose activations grow with the square of the length."""
     if granularity is None:
         return {}
     if granularity not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"--recompute-granularity {granularity!r}: expected one of {RECOMPUTE_GRANULARITIES}")
+        raise ConfigError("recompute_granularity", f"{granularity!r}: expected one of {RECOMPUTE_GRANULARITIES}")
     if granularity == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return {"recompute_granularity": "selective"}
@@ -140,6 +142,7 @@ def transformer_config(
     transformer_impl: str = "local",
     perform_initialization: bool = True,
     recompute_granularity: str | None = None,
+    use_cpu_initialization: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -165,7 +168,7 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -34,6 +34,7 @@ from megamu.atomic import atomic_write_text
 from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, write_mcore_meta
 from megamu.convert.io import SafetensorsDir, make_temp_dir, replace_dir, write_index, write_shards
 from megamu.convert.tp import gather_tensor, shard_tensor
+from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.model.spec import canonical_param_name
 
@@ -91,7 +92,7 @@ def _rng_state() -> dict:
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
-    if torch.cuda.is_available():
+    if parallel.device().is_cuda:
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return state
 
@@ -103,7 +104,7 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     as_tensor = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
     torch.set_rng_state(as_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and parallel.device().is_cuda:
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
@@ -147,7 +148,7 @@ def save_checkpoint(
     """
     json.dumps(extra)  # fail before any collective, not halfway through a write
     if keep < 0:
-        raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {keep}")
+        raise ConfigError("keep_checkpoints", f"must be >= 0 (0 keeps all), got {keep}")
     out = iteration_dir(save_dir, iteration)
     rank, world = _world()
     main = parallel.is_main_rank()

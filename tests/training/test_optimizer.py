@@ -42,11 +42,11 @@ def test_step_clips_by_global_norm_warms_up_and_skips_decay_on_1d(distributed):
     assert opt.state_dict() == {"iteration": 5, "skipped_steps": 0, "skipped_in_a_row": 0}
 
 
-def test_config_rejects_bad_flags():
-    with pytest.raises(ValueError, match="--lr"):
+def test_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="lr"):
         OptimizerConfig(lr=0)
-    with pytest.raises(ValueError, match="--clip-grad"):
-        OptimizerConfig(clip_grad=-1)
+    with pytest.raises(ValueError, match="clip_grad"):
+        OptimizerConfig(lr=1.0, clip_grad=-1)
     assert OptimizerConfig(lr=1.0, lr_warmup_iters=0).lr_at(0) == 1.0
     assert math.isclose(OptimizerConfig(lr=1.0, lr_warmup_iters=2).lr_at(0), 0.5)
 
@@ -76,9 +76,9 @@ def test_non_finite_gradient_skips_the_update_and_only_a_run_of_them_stops(distr
         opt.step()
     assert opt.state_dict() == {"iteration": 1, "skipped_steps": 3, "skipped_in_a_row": 2}
     _set_grads(model, float("inf"))
-    with pytest.raises(FloatingPointError, match="3th update in a row.*--max-skipped-steps 2"):
+    with pytest.raises(FloatingPointError, match="3th update in a row.*max_skipped_steps 2"):
         opt.step()  # ... a third is not
-    with pytest.raises(ValueError, match="--max-skipped-steps"):
+    with pytest.raises(ValueError, match="max_skipped_steps"):
         OptimizerConfig(max_skipped_steps=-1)
 
 

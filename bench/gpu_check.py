@@ -95,14 +95,17 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int):
 
 
 def build(args, cuda: bool):
+    from megamu.device import Device
     from megamu.model import ModelArch, build_model
     from megamu.tiny import tiny_hf_config
     from megamu.training import OptimizerConfig, build_optimizer
 
     config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
     arch = ModelArch.from_hf(config)
-    model = build_model(arch, bf16=cuda)
-    return model, arch, build_optimizer(model, OptimizerConfig(lr=1e-6))
+    device = Device("cuda" if cuda else "cpu")
+    # the local spec (torch SDPA): transformer-engine is not on the stock image
+    model = build_model(arch, device=device, transformer_impl="local", bf16=cuda)
+    return model, arch, build_optimizer(model, OptimizerConfig(lr=1e-6), device)
 
 
 def size(nbytes: float) -> str:
@@ -200,7 +203,7 @@ def stage_flags(hf: Path, save: Path, cuda: bool) -> list[str]:
     return ["--hf-checkpoint", str(hf), "--save", str(save), "--num-stages", "1", "--prompts-per-stage", "4",
             "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
             "--eval-prompts", "0", "--micro-batch-size", "4", "--reward-fn", "tests.e2e.rewards:has_digit",
-            "--no-skip-zero-advantage", "--seed", "7", *(["--bf16"] if cuda else [])]
+            "--no-skip-zero-advantage", "--seed", "7", *(["--bf16", "--transformer-impl", "local"] if cuda else [])]
 
 
 def check_stage(cuda, root: Path) -> Row:
@@ -238,7 +241,9 @@ def run_checks(args) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         tmp = Path(tmp)
         if only & {"train", "offload", "checkpoint"}:
-            parallel.init_distributed(tensor_model_parallel_size=1, seed=0)
+            from megamu.device import Device
+
+            parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device("cuda" if cuda else "cpu"))
             model, arch, opt = build(args, cuda)
             rows.append(check_train(args, cuda, model, arch, opt))  # also gives the optimiser its Adam state
             if "offload" in only:

@@ -9,19 +9,21 @@ import torch
 
 from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
+from megamu.device import Device
 from megamu.model import ModelArch, build_model, unwrap
 from megamu.tiny import save_tiny_model
 from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, train_step
 from tests.training.helpers import make_samples, set_behaviour
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = Device("cuda")
 
 
 def test_offload_frees_the_trainer_memory_and_reload_is_bitwise(distributed, tmp_path):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=12)
     arch = ModelArch.from_hf(hf)
-    model = build_model(arch, bf16=True)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-4))
+    model = build_model(arch, device=CUDA, transformer_impl="local", bf16=True)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-4), CUDA)
     load_hf_into_model(model, arch, hf)
     samples = make_samples(2, 4, arch.vocab_size, seed=13)
     set_behaviour(samples, compute_logprobs(model, samples, micro_batch_size=8), noise=0.1)

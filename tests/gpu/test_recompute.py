@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from megamu.convert import load_hf_into_model
+from megamu.device import Device
 from megamu.model import ModelArch, build_model, forward_logprobs
 from megamu.tiny import save_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = Device("cuda")
 
 
 def test_recompute_gives_the_same_gradients(distributed, tmp_path):
@@ -17,7 +19,7 @@ def test_recompute_gives_the_same_gradients(distributed, tmp_path):
     ids = torch.randint(4, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
     grads = {}
     for granularity in (None, "full", "selective"):
-        model = build_model(arch, recompute_granularity=granularity)
+        model = build_model(arch, device=CUDA, transformer_impl="local", recompute_granularity=granularity)
         load_hf_into_model(model, arch, hf)
         model.train()
         logp, _ = forward_logprobs(model, ids)

@@ -47,12 +47,14 @@ def test_arguments():
 
 def test_stage_flags_parse(tmp_path):
     from megamu.arguments import parse_args
+    from megamu.device import Device
     from megamu.tiny import save_tiny_model
 
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=3)
-    for cuda in (False, True):
-        args, _, plan = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", cuda))
-        assert plan.num_stages == 1 and plan.mu == 2 and args.bf16 == cuda
+    for device in (Device("cpu"), Device("cuda")):
+        cfg = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", device.is_cuda), device=device)
+        assert cfg.plan.num_stages == 1 and cfg.plan.mu == 2 and cfg.policy.bf16 == device.is_cuda
+        assert cfg.rollout.engine.kind == "local" and cfg.policy.transformer_impl == ("local" if device.is_cuda else None)
 
 
 def test_dry_run_checks_pass_on_cpu(tmp_path):

@@ -79,7 +79,7 @@ def test_non_finite_gradient_skips_the_update_and_only_a_run_of_them_stops(distr
     with pytest.raises(FloatingPointError, match="3th update in a row.*max_skipped_steps 2"):
         opt.step()  # ... a third is not
     with pytest.raises(ValueError, match="max_skipped_steps"):
-        OptimizerConfig(max_skipped_steps=-1)
+        OptimizerConfig(lr=1.0, max_skipped_steps=-1)
 
 
 def test_offload_spills_grads_and_moments_and_reload_is_bitwise(distributed, tmp_path):

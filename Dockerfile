@@ -17,7 +17,8 @@ ARG TORCH_VERSION=2.14.1
 ARG SGLANG_VERSION=0.5.23
 ARG SGLANG_ROUTER_VERSION=0.3.2
 ARG MEGATRON_CORE_VERSION=0.16.1
-ARG TRANSFORMER_ENGINE_VERSION=2.20.2
+# megatron-core 0.16.1 is tested with transformer-engine >=2.9.0a0,<2.12.0 (its "dev" extra); keep the two together.
+ARG TRANSFORMER_ENGINE_VERSION=2.11.0
 ARG WITH_APEX=0
 ARG APEX_REF=10417aceddd7d5d05d7cbf7b0fc2daad1105f8b4
 # H200 (and H100) are sm_90; add "10.0" for B200 nodes.

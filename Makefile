@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Re-install when the package metadata changes; the stamp makes a second run reuse .venv untouched.
 STAMP := $(VENV)/.megamu-installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +30,7 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# Wheels for bench/gpu_check.py on a GPU machine's stock image (Python 3.12, no network there): into .whl/, <= 64 MiB.
+gpu-wheels: $(STAMP)
+	PIP="$(PY) -m pip" bash tools/gpu_wheels.sh

@@ -26,7 +26,8 @@ def main(argv=None) -> None:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
-    parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device)
+    parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
+                              distributed_timeout_minutes=cfg.distributed_timeout_minutes)
     from megamu.trainer import Run
 
     run = Run(cfg)

@@ -44,10 +44,13 @@ paper_flags() {
     else
         # One server per GPU (TP 1): every model here fits one H200, and DP over servers decodes fastest. Servers
         # started by the trainer live on rank 0's node; to roll out on every node use SGLANG_URL (docs/cluster.md).
-        # The trainer's weights and sharded Adam state stay on the GPUs during rollout (~40 GB for a 7-8B actor at
-        # TP 2 x DP 2, an estimate): leave them room. Deterministic inference makes a resumed rollout bitwise equal.
+        # SGLang 0.5.23 applies --mem-fraction-static to the memory free when the server starts, which already
+        # excludes whatever the trainer still holds (nothing much: --offload-train, on in staged mode, moves its
+        # weights, gradients and Adam state off the GPUs first), so no room needs leaving for the trainer; the
+        # remaining 15% is for SGLang's own activations and CUDA graphs. Deterministic inference makes a resumed
+        # rollout bitwise equal.
         PAPER_FLAGS+=(--sglang-num-servers "$GPUS" --sglang-tp-size 1
-                      --sglang-server-args "--mem-fraction-static ${SGLANG_MEM_FRACTION:-0.6} --enable-deterministic-inference")
+                      --sglang-server-args "--mem-fraction-static ${SGLANG_MEM_FRACTION:-0.85} --enable-deterministic-inference")
     fi
 }
 

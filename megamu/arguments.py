@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=None,
+                   help="timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits "
+                        "during rank 0's rollout are on the CPU and not bound by it")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recomputation in the backward (less memory, ~1/3 more compute for full)")
 
     g = p.add_argument_group("optimiser (Megatron names)")
     g.add_argument("--lr", type=float, default=1e-5)
@@ -45,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="token budget of a micro-batch")
+    g.add_argument("--max-skipped-steps", type=int, default=5,
+                   help="updates with a non-finite gradient skipped in a row before the run stops")
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
@@ -52,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=0, help="updates between checkpoints (0: stage ends only)")
     g.add_argument("--hf-export-interval", type=int, default=0,
                    help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
+    g.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="checkpoints kept under --save, newest first (0: all)")
+    g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the HF exports the engine loads (default: the training precision)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
     g.add_argument("--log-interval", type=int, default=1)
 
@@ -84,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
+                        "the engine generates (default: on in staged mode, off in colocated mode)")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-max-response-len", type=int, default=64)
@@ -223,6 +237,7 @@ class RunConfig:
     tensorboard_dir: str
     seed: int
     tensor_model_parallel_size: int
+    distributed_timeout_minutes: float | None = None
     log_interval: int = 1
     save_interval: int = 0
     hf_export_interval: int = 0
@@ -230,7 +245,8 @@ class RunConfig:
     dry_run: bool = False
 
     def describe(self) -> str:
-        return self.plan.describe(self.algo, "bf16" if self.policy.bf16 else "fp32")
+        precision = "bf16" if self.policy.bf16 else "fp32"
+        return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}")
 
 
 # Config fields whose flag is not "--" + the field's name with dashes.
@@ -313,7 +329,9 @@ def validate(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             _error("--" + name.replace("_", "-"), f"must be a positive integer, got {getattr(args, name)}")
-    for name in ("save_interval", "eval_prompts", "hf_export_interval"):
+    if args.distributed_timeout_minutes is not None and not args.distributed_timeout_minutes > 0:
+        _error("--distributed-timeout-minutes", f"must be > 0, got {args.distributed_timeout_minutes}")
+    for name in ("save_interval", "eval_prompts", "hf_export_interval", "keep_checkpoints", "max_skipped_steps"):
         if getattr(args, name) < 0:
             _error("--" + name.replace("_", "-"), "must be >= 0")
     if not 0 < args.rollout_temperature:
@@ -343,7 +361,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
                    aggregation=args.loss_aggregation)
     optimizer = _config(OptimizerConfig, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                        lr_warmup_iters=args.lr_warmup_iters)
+                        lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps)
     save = Path(args.save)
     plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
                 prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
@@ -352,7 +370,10 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
         load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-        temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage)
+        temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
+        keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
+        offload_train=args.rollout_mode == "staged" if args.offload_train is None else args.offload_train,
+        recompute_granularity=args.recompute_granularity)
     rollout = RolloutConfig(
         mode=args.rollout_mode, engine=engine_config(args), run_dir=save, n_samples=args.n_samples_per_prompt,
         seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
@@ -368,6 +389,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     return RunConfig(
         plan=plan, algo=algo, device=device, policy=policy, rollout=rollout, prompts=prompts, save=save,
         tensorboard_dir=args.tensorboard_dir or str(save / "tensorboard"), seed=args.seed,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, log_interval=args.log_interval,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megamu.device import CPU, Device
+from megamu.errors import ConfigError
 
 _device: Device = CPU  # set by init_distributed: the device this process trains on
 
@@ -23,8 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU) -> None:
-    """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice."""
+def init_distributed(
+    tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU,
+    distributed_timeout_minutes: float | None = None,
+) -> None:
+    """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice.
+
+    ``distributed_timeout_minutes`` (fractions allowed) bounds every
+    collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
+    ranks 1..N during the rank-0 rollout, go through ``wait_for_main_rank`` instead."""
     from megatron.core import parallel_state, tensor_parallel
 
     global _device
@@ -41,14 +50,20 @@ def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0, device:
     if not dist.is_initialized():
         device.bind(int(os.environ.get("LOCAL_RANK", "0")))
         backend = device.backend
+        timeout = _timeout(distributed_timeout_minutes)
         if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:  # plain python: a world of one on a free local port, without touching the env of child processes
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    **timeout)
+    if _wait_group is None:
+        _init_wait_group()
     world = dist.get_world_size()
     if tp < 1 or world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    # megatron gives its TP/DP groups their own timeout (30 minutes unless told): the same one as the default group
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **_megatron_timeout(
+        distributed_timeout_minutes))
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not device.is_cuda)
@@ -59,8 +74,45 @@ def device() -> Device:
     return _device
 
 
+def _timeout(minutes: float | None) -> dict:
+    if minutes is None:
+        return {}
+    if not minutes > 0:
+        raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {minutes}")
+    return {"timeout": timedelta(minutes=minutes)}
+
+
+def _megatron_timeout(minutes: float | None) -> dict:
+    return {} if minutes is None else {"distributed_timeout_minutes": minutes}  # a float works (timedelta)
+
+
+# A rollout on rank 0 can take hours (262k samples per stage in the paper's setting); this only bounds a dead rank 0.
+MAIN_RANK_WAIT_TIMEOUT = timedelta(days=2)
+_wait_group: dist.ProcessGroup | None = None
+
+
+def _init_wait_group() -> None:
+    """A gloo group over all ranks with its own long timeout: its barrier waits on the CPU, so a long wait neither
+    trips the NCCL watchdog nor keeps a spinning NCCL kernel on a GPU that the rollout engine uses."""
+    global _wait_group
+    if dist.get_world_size() > 1:
+        _wait_group = dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT_TIMEOUT)
+
+
+def wait_for_main_rank() -> None:
+    """Every rank blocks here until all have arrived (a barrier on the CPU-side gloo group): for the phases only
+    rank 0 works in (the rollout), which may last far longer than ``distributed_timeout_minutes``."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if _wait_group is None:
+            raise RuntimeError("wait_for_main_rank: the process group was not created by init_distributed")
+        dist.barrier(group=_wait_group)
+
+
 def destroy_distributed() -> None:
+    global _wait_group
     from megatron.core import parallel_state
+
+    _wait_group = None
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -19,6 +19,7 @@ from megamu.device import Device
 from megamu.model import ModelArch, build_model
 from megamu.records import RolloutSample
 from megamu.training.checkpoint import load_checkpoint, save_checkpoint
+from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
 from megamu.training.step import compute_logprobs, train_step
 
@@ -36,6 +37,10 @@ class PolicyConfig:
     max_tokens_per_micro_batch: int | None = None
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
     skip_zero_advantage: bool = True
+    keep_checkpoints: int = 2  # newest checkpoints kept under save_dir (0: all)
+    export_dtype: str | None = None  # "bf16" | "fp16" | "fp32"; None: the training precision
+    offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
+    recompute_granularity: str | None = None  # "full" | "selective"
 
 
 def resolve_hf_checkpoint(path: str | None) -> Path:
@@ -52,11 +57,16 @@ class Policy:
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
         impl = cfg.transformer_impl or cfg.device.transformer_impl
-        self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16)
+        self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
+                                 recompute_granularity=cfg.recompute_granularity)
         # a group's prompt packed once before its responses needs a per-row attention mask, which only the local
         # spec's PortableAttention takes; TE's fused attention gets one row per sample
         self.share_prompts = impl == "local"
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.device)
+        self.mem_train: TrainerMemory | None = None  # after the latest update (the optimisation's footprint)
+        self.mem_rollout: TrainerMemory | None = None  # while the latest rollout ran
+        self._offloaded = False
+        self._cuda_train = self._cuda_rollout = None  # torch.cuda.memory_allocated at the same two points (GPU)
 
     def restore(self) -> dict | None:
         """Load the latest checkpoint under load_dir (returns its ``extra``), else the initial HF weights (None).
@@ -76,9 +86,13 @@ class Policy:
 
     def update(self, samples: list[RolloutSample], algo: AlgoConfig) -> dict[str, float]:
         c = self.cfg
-        return train_step(self.model, self.optimizer, samples, algo, micro_batch_size=c.micro_batch_size,
-                          max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.temperature,
-                          skip_zero_advantage=c.skip_zero_advantage, share_prompts=self.share_prompts)
+        stats = train_step(self.model, self.optimizer, samples, algo, micro_batch_size=c.micro_batch_size,
+                           max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.temperature,
+                           skip_zero_advantage=c.skip_zero_advantage, share_prompts=self.share_prompts)
+        self.mem_train = self.optimizer.memory()
+        self._cuda_train = self._cuda_allocated()
+        return {**stats, "skipped_steps": self.optimizer.skipped_steps,
+                "step_skipped": float(self.optimizer.last_step_skipped)}
 
     def behaviour_anchors(self, samples: list[RolloutSample], cache: Path) -> dict[tuple[int, int], list[float]]:
         """--behaviour-logprobs recompute: b_t = this policy's log-probs of ``samples``, cached in ``cache``."""
@@ -95,13 +109,14 @@ class Policy:
         return anchors
 
     def save(self, iteration: int, extra: dict) -> None:
-        save_checkpoint(self.cfg.save_dir, iteration, self.model, self.arch, self.optimizer, extra=extra)
+        save_checkpoint(self.cfg.save_dir, iteration, self.model, self.arch, self.optimizer, extra=extra,
+                        keep=self.cfg.keep_checkpoints)
 
     def export(self, name: str) -> Path:
         """The weights as an HF folder <save_dir>/hf/<name> (atomic; a finished folder of the same name is reused)."""
         out = Path(self.cfg.save_dir) / "hf" / name
         if not (out / "config.json").exists():
-            export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source)
+            export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source, dtype=self.cfg.export_dtype)
         parallel.barrier()
         return out
 
@@ -110,5 +125,34 @@ class Policy:
         return dict(mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch)))
 
     def release_memory(self) -> None:
-        """Before an engine generates: give back what the trainer does not need (§4). Today: the allocator cache."""
+        """Before an engine generates: give back what the trainer does not need (§4). With ``offload_train`` the
+        gradients and optimiser state (GPU: also parameters and fp32 main parameters) leave the device, spilled
+        under <save_dir>/offload on CPU; then the allocator's cache goes back to the driver."""
+        if self.cfg.offload_train and not self._offloaded:
+            self.optimizer.offload(Path(self.cfg.save_dir) / "offload")
+            self._offloaded = True
         self.cfg.device.release_cache()
+        self.mem_rollout = self.optimizer.memory()
+        self._cuda_rollout = self._cuda_allocated()
+
+    def restore_memory(self) -> None:
+        """After the rollout: everything ``release_memory`` moved comes back, bit for bit."""
+        if self._offloaded:
+            self.optimizer.reload()
+            self._offloaded = False
+
+    def memory_record(self) -> dict[str, float]:
+        """trainer_mem_{rollout,train}_gib: bytes the trainer's own tensors held on the device while the engine ran
+        and after the latest update (what is measured, not the process RSS: on CPU the in-process engine shares it)."""
+        out = {}
+        for key, mem in (("trainer_mem_rollout_gib", self.mem_rollout), ("trainer_mem_train_gib", self.mem_train)):
+            if mem is not None:
+                out[key] = mem.gib()
+        for key, nbytes in (("cuda_allocated_rollout_gib", self._cuda_rollout),
+                            ("cuda_allocated_train_gib", self._cuda_train)):
+            if nbytes is not None:
+                out[key] = nbytes / 2**30
+        return out
+
+    def _cuda_allocated(self) -> int | None:
+        return torch.cuda.memory_allocated() if self.cfg.device.is_cuda else None

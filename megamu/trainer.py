@@ -64,13 +64,23 @@ class Run:
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
                             ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
-            if self.update_in_stage == mu or (cfg.save_interval and self.update_in_stage % cfg.save_interval == 0):
+            if self.checkpoint_due():
                 self.checkpoint(stage)
             if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
                 self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
             crash_point("update", self.global_update)
         bar.close()
         self.stage, self.update_in_stage = stage + 1, 0
+
+    def checkpoint_due(self) -> bool:
+        """Staged mode: every --save-interval updates of a stage and at each stage's end (a resume then skips the
+        stage). Colocated mode refreshes every μ (= 4) updates: every --save-interval updates of the run and at its
+        end, not at each refresh (1024 checkpoints in the paper's GRPO baseline)."""
+        cfg, mu = self.cfg, self.plan.mu
+        if self.plan.rollout_mode == "colocated":
+            last = self.global_update == self.plan.total_updates
+            return last or bool(cfg.save_interval and self.global_update % cfg.save_interval == 0)
+        return self.update_in_stage == mu or bool(cfg.save_interval and self.update_in_stage % cfg.save_interval == 0)
 
     def checkpoint(self, stage: int) -> None:
         self.policy.save(self.global_update, extra={"stage": stage, "update_in_stage": self.update_in_stage,
@@ -80,7 +90,8 @@ class Run:
         m = dataset.manifest
         self.metrics.log("stage", step=stage, stage=stage, **times, reward_mean=m.reward_mean,
                          truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
-                         all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length)
+                         all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length,
+                         **self.policy.memory_record())
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")
         crash_point("stage", stage)

@@ -47,10 +47,16 @@ def save_mcore(
     """Write canonical tensors as an mcore folder, atomically."""
     with atomic_dir(out_dir) as tmp:
         write_sharded(tensors, tmp, max_shard_bytes, {"format": "megamu-mcore", **(metadata or {})})
-        (tmp / ARCH_FILE).write_text(json.dumps(arch.to_dict(), indent=2) + "\n")
-        (tmp / HF_META).mkdir()
-        copy_meta_files(_meta_dir(hf_source_dir), tmp / HF_META)
+        write_mcore_meta(tmp, arch, hf_source_dir)
     return Path(out_dir)
+
+
+def write_mcore_meta(folder: Path, arch: ModelArch, hf_source_dir: str | Path | None) -> None:
+    """The non-tensor part of an mcore folder: megamu_arch.json and (given the run's HF source) hf_meta/."""
+    (folder / ARCH_FILE).write_text(json.dumps(arch.to_dict(), indent=2) + "\n")
+    if hf_source_dir is not None:
+        (folder / HF_META).mkdir()
+        copy_meta_files(_meta_dir(hf_source_dir), folder / HF_META)
 
 
 def load_mcore_into_model(model, arch: ModelArch, mcore_dir: str | Path) -> None:
@@ -96,7 +102,11 @@ def _write_hf(
     write_sharded(cast, folder, max_shard_bytes)
     copy_meta_files(meta_dir, folder, skip=("config.json", ARCH_FILE))
     config = json.loads((meta_dir / "config.json").read_text())
-    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _CONFIG_DTYPE[dtype]
+    # transformers 5 and SGLang read "dtype" first (SGLang 0.5.23 maps a float32 config under --dtype auto to
+    # float16), older readers "torch_dtype": both say what the tensors are
+    config["dtype"] = _CONFIG_DTYPE[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = _CONFIG_DTYPE[dtype]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -114,15 +124,30 @@ def mcore_to_hf(
     return Path(out_dir)
 
 
+def training_dtype(model) -> str:
+    """The precision the model trains in ("bf16", "fp16" or "fp32"): its parameters' dtype."""
+    from megamu.model.build import unwrap
+
+    dtype = next(unwrap(model).parameters()).dtype
+    names = {v: k for k, v in DTYPES.items()}
+    if dtype not in names:
+        raise ValueError(f"model parameters are {dtype}; an HF export supports {sorted(DTYPES)}")
+    return names[dtype]
+
+
 def export_hf(
-    model, arch: ModelArch, out_dir: str | Path, *, hf_source_dir: str | Path, dtype: str = "fp32",
+    model, arch: ModelArch, out_dir: str | Path, *, hf_source_dir: str | Path, dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Export a live (TP-sharded) model as an HF folder: the first data-parallel replica gathers tensor by tensor,
     global rank 0 writes into a temp folder that replaces ``out_dir`` only once complete; all ranks then meet at a
-    barrier. A write error (disk full) is raised on rank 0 after the other ranks are released, not as a hang."""
+    barrier. A write error (disk full) is raised on rank 0 after the other ranks are released, not as a hang.
+
+    ``dtype`` (``--export-dtype``) defaults to the training precision (``training_dtype``): a bf16 run's rollouts
+    are served in bf16, and its exports are half the size of fp32 ones."""
     from megamu.parallel import barrier, dp_rank, is_main_rank
 
+    dtype = training_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)  # on every rank, before any collective
     error = None
     if dp_rank() == 0:  # other replicas hold the same weights

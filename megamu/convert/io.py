@@ -78,19 +78,22 @@ class SafetensorsDir:
         return tensor.reshape(entry["shape"])
 
 
-def write_sharded(
+def write_shards(
     items: Iterable[tuple[str, torch.Tensor]],
     folder: Path,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    metadata: dict | None = None,
-) -> dict:
-    """Write tensors as model-0000i-of-0000n.safetensors + index, holding at most one shard in memory."""
+    prefix: str = "model",
+) -> tuple[dict[str, str], int]:
+    """Write tensors as ``{prefix}-0000i-of-0000n.safetensors``, holding at most one shard in memory; no index.
+
+    Returns (tensor name -> file name, total bytes): several writers (checkpoint ranks) each write their own
+    shards into one folder with distinct prefixes, and one of them writes the index for all (``write_index``)."""
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, total, written = 0, 0, []  # written: (temp file, names)
 
     def flush() -> None:
         nonlocal shard, shard_bytes
-        tmp = folder / f".shard-{len(written)}.safetensors"
+        tmp = folder / f".{prefix}-shard-{len(written)}.safetensors"
         save_file(shard, str(tmp), metadata={"format": "pt"})
         _fsync(tmp)
         written.append((tmp, list(shard)))
@@ -109,13 +112,29 @@ def write_sharded(
         flush()
     weight_map = {}
     for i, (tmp, names) in enumerate(written):
-        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        final = f"{prefix}-{i + 1:05d}-of-{len(written):05d}.safetensors"
         os.replace(tmp, folder / final)
         weight_map.update(dict.fromkeys(names, final))
-    index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
+    return weight_map, total
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_bytes: int, metadata: dict | None = None) -> dict:
+    """The ``model.safetensors.index.json`` that ``SafetensorsDir`` (and transformers) read, fsynced."""
+    index = {"metadata": {"total_size": total_bytes, **(metadata or {})}, "weight_map": weight_map}
     (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     _fsync(folder / INDEX)
     return index
+
+
+def write_sharded(
+    items: Iterable[tuple[str, torch.Tensor]],
+    folder: Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    metadata: dict | None = None,
+) -> dict:
+    """Write tensors as model-0000i-of-0000n.safetensors + index, holding at most one shard in memory."""
+    weight_map, total = write_shards(items, folder, max_shard_bytes)
+    return write_index(folder, weight_map, total, metadata)
 
 
 def _fsync(path: Path) -> None:
@@ -135,19 +154,18 @@ def copy_meta_files(src: Path, dst: Path, skip: Iterable[str] = ()) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-@contextlib.contextmanager
-def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
-    """Yield an empty temp folder beside ``out_dir``; on success it replaces ``out_dir`` (old one removed only after
-    the new one is in place), on error it is deleted. A reader never sees a half-written ``out_dir``."""
+def make_temp_dir(out_dir: str | Path) -> Path:
+    """An empty temp folder beside ``out_dir``, to be moved into place by ``replace_dir``."""
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; engines may run as another user
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def replace_dir(tmp: Path, out_dir: str | Path) -> None:
+    """Move the complete ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after the new one is in place."""
+    out = Path(out_dir).absolute()
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -155,3 +173,16 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
+    """Yield an empty temp folder beside ``out_dir``; on success it replaces ``out_dir`` (old one removed only after
+    the new one is in place), on error it is deleted. A reader never sees a half-written ``out_dir``."""
+    tmp = make_temp_dir(out_dir)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out_dir)

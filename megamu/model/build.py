@@ -17,9 +17,11 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     perform_initialization: bool = True,
+    recompute_granularity: str | None = None,
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
     perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
+    ``recompute_granularity``: "full" / "selective" activation recomputation, see ``recompute_fields``.
     ``transformer_impl`` defaults to the device's (see megamu.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -30,6 +32,7 @@ def build_model(
     transformer_impl = transformer_impl or device.transformer_impl
     config = transformer_config(arch, tp=tp, params_dtype=params_dtype, bf16=bf16, transformer_impl=transformer_impl,
                                 perform_initialization=perform_initialization,
+                                recompute_granularity=recompute_granularity,
                                 use_cpu_initialization=not device.is_cuda)
     model = GPTModel(
         config=config,

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from megamu.errors import ConfigError
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -115,6 +117,22 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+
+
+def recompute_fields(granularity: str | None) -> dict:
+    """TransformerConfig fields for a recompute granularity: "full" recomputes every layer in the backward
+    (Megatron-LM's usual --recompute-method uniform --recompute-num-layers 1), "selective" only the core attention
+    (megatron-core's default recompute_modules), the part whose activations grow with the square of the length."""
+    if granularity is None:
+        return {}
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError("recompute_granularity", f"{granularity!r}: expected one of {RECOMPUTE_GRANULARITIES}")
+    if granularity == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {"recompute_granularity": "selective"}
+
+
 def transformer_config(
     arch: ModelArch,
     *,
@@ -123,12 +141,14 @@ def transformer_config(
     bf16: bool = False,
     transformer_impl: str = "local",
     perform_initialization: bool = True,
+    recompute_granularity: str | None = None,
     use_cpu_initialization: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
 
     arch.check_tp(tp)
     return TransformerConfig(
+        **recompute_fields(recompute_granularity),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,

@@ -17,9 +17,10 @@ from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.metrics import MetricsLogger
 from megamu.reward.config import RewardConfig
 from megamu.rollout import Engine, EngineConfig, build_engine
-from megamu.rollout.dataset import StageDataset
+from megamu.rollout.dataset import MANIFEST, StageDataset
 from megamu.rollout.phase import generate_groups, run_rollout_phase
 from megamu.rollout.types import SamplingParams
+from megamu.training.checkpoint import prune_stage_export
 
 ROLLOUT_MODES = ("staged", "colocated")
 
@@ -87,6 +88,12 @@ class Rollout:
                 if stage == 0 and self.held_out:
                     self._evaluate(engine, stage=0, label="base")
             self._release()
+            # Ranks 1..N wait out rank 0's rollout (hours at the paper's scale) on the CPU, not in an NCCL collective
+            # bound by --distributed-timeout-minutes.
+            parallel.wait_for_main_rank()
+            policy.restore_memory()
+            if parallel.is_main_rank() and self.hf_dir is not None and self.hf_dir.name == f"stage_{stage}":
+                prune_stage_export(self.hf_dir, self.dataset_dir(stage) / MANIFEST)  # D_k is durable: not needed
             parallel.barrier()
         return StageDataset(self.dataset_dir(stage))
 

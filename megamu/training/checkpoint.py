@@ -10,14 +10,18 @@ Layout (Megatron's names for the directory and the pointer file)::
     save_dir/iter_0000012/rng.json                 python / numpy / torch (/ CUDA) RNG states of every global rank
 
 Every tensor is stored whole (gathered over TP), so a checkpoint loads at any TP size. All ranks take part in the
-gathers; global rank 0 writes into a temp folder that is renamed into place, then the pointer is replaced atomically.
+gathers and each writes the tensors ``writer_of`` assigns it (``model-rank0000r-*.safetensors``) into one temp
+folder; global rank 0 adds the indexes and metadata, renames the folder into place, replaces the pointer atomically
+and prunes old checkpoints (``prune_checkpoints``).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,9 +31,10 @@ import torch.distributed as dist
 
 from megamu import parallel
 from megamu.atomic import atomic_write_text
-from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, save_mcore
-from megamu.convert.io import SafetensorsDir, atomic_dir, write_sharded
+from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, write_mcore_meta
+from megamu.convert.io import SafetensorsDir, make_temp_dir, replace_dir, write_index, write_shards
 from megamu.convert.tp import gather_tensor, shard_tensor
+from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.model.spec import canonical_param_name
 
@@ -58,8 +63,25 @@ def _full_optimizer_states(model, arch: ModelArch, optimizer) -> Iterator[tuple[
             continue
         for key in ("exp_avg", "exp_avg_sq", "main_param"):  # main_param: fp32 master weights of a bf16 model
             if key in state:
-                yield f"{name}.{key}", gather_tensor(name, state[key], arch).cpu()
+                yield f"{name}.{key}", gather_tensor(name, state[key], arch)
         yield f"{name}.step", torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+
+
+def writer_of(sizes: list[tuple[str, int]], world: int) -> dict[str, int]:
+    """Which global rank writes each parameter (its weight and its optimiser state): the next largest tensor goes to
+    the rank with the fewest elements so far. Every rank computes the same map from the same (name, size) list."""
+    load = [0] * world
+    owner = {}
+    for name, size in sorted(sizes, key=lambda x: -x[1]):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += size
+    return owner
+
+
+def _owned(items: Iterator[tuple[str, torch.Tensor]], owner: dict[str, int], rank: int):
+    """The items this rank writes; iterating it still runs every gather, so the other ranks' collectives complete."""
+    return ((n, t) for n, t in items if owner[n.rsplit(".", 1)[0] if n not in owner else n] == rank)
 
 
 def _rng_state() -> dict:
@@ -86,45 +108,73 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
-def _drain(items: Iterator) -> None:
-    for _ in items:  # non-writing ranks still take part in every gather
-        pass
-
-
 def _write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _all_gather(obj) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_any(errors: list, what: str) -> None:
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
+
+
 def save_checkpoint(
     save_dir: str | Path, iteration: int, model, arch: ModelArch, optimizer, *, extra: dict,
-    hf_source_dir: str | Path | None = None,
+    hf_source_dir: str | Path | None = None, keep: int = 2,
 ) -> Path:
     """Write ``save_dir/iter_{iteration:07d}`` and point the tracker at it; returns the folder (on every rank).
 
     ``extra`` (JSON-serialisable: stage, update offset, ...) comes back from ``load_checkpoint``. With
     ``hf_source_dir`` (the HF folder the run started from) the model folder is a complete mcore folder that
-    ``megamu.convert`` can export to HF on its own.
+    ``megamu.convert`` can export to HF on its own. ``keep``: how many checkpoints to leave (newest first, the
+    new one always among them; 0 keeps all), see ``prune_checkpoints``.
+
+    Every rank writes the full (TP-gathered) tensors of the parameters ``writer_of`` gives it, as its own shard
+    files in one temp folder beside the target (``save_dir`` must be on a filesystem every rank sees, as for
+    Megatron); rank 0 then writes the index and metadata, renames the folder into place and moves the tracker.
     """
     json.dumps(extra)  # fail before any collective, not halfway through a write
+    if keep < 0:
+        raise ConfigError("keep_checkpoints", f"must be >= 0 (0 keeps all), got {keep}")
     out = iteration_dir(save_dir, iteration)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rngs: list = [None] * world
-    if world > 1:
-        dist.all_gather_object(rngs, _rng_state())
-    else:
-        rngs = [_rng_state()]
-    model_tensors = ((n, gather_tensor(n, p, arch).cpu()) for n, p in _named_params(model))
-    opt_tensors = _full_optimizer_states(model, arch, optimizer)
-    if parallel.is_main_rank():
-        with atomic_dir(out) as tmp:
-            if hf_source_dir is not None:
-                save_mcore(model_tensors, tmp / "model", arch, hf_source_dir)
-            else:
-                (tmp / "model").mkdir()
-                write_sharded(model_tensors, tmp / "model", metadata={"format": "megamu-mcore"})
-                _write_json(tmp / "model" / ARCH_FILE, arch.to_dict())
-            (tmp / "optimizer").mkdir()
-            write_sharded(opt_tensors, tmp / "optimizer", metadata={"format": "megamu-optimizer"})
+    rank, world = _world()
+    main = parallel.is_main_rank()
+    rngs = _all_gather(_rng_state())
+    tmp = Path(_all_gather(str(make_temp_dir(out)) if main else None)[0])
+    owner = writer_of([(n, p.numel()) for n, p in _named_params(model)], world)
+    error, parts = None, {}
+    for part, items in (("model", ((n, gather_tensor(n, p, arch)) for n, p in _named_params(model))),
+                        ("optimizer", _full_optimizer_states(model, arch, optimizer))):
+        if error is None:
+            try:
+                (tmp / part).mkdir(exist_ok=True)
+                parts[part] = write_shards(_owned(items, owner, rank), tmp / part, prefix=f"{part}-rank{rank:05d}")
+            except OSError as e:  # disk full on one rank: it still takes part in the remaining gathers below
+                error = f"{type(e).__name__}: {e}"
+        for _ in items:
+            pass
+    written = _all_gather((error, parts))
+    error = None
+    if main:
+        try:
+            _raise_any([e for e, _ in written], f"writing checkpoint {out}")
+            for part, fmt in (("model", "megamu-mcore"), ("optimizer", "megamu-optimizer")):
+                weight_map = {k: v for _, p in written for k, v in p[part][0].items()}
+                write_index(tmp / part, weight_map, sum(p[part][1] for _, p in written), {"format": fmt})
+            write_mcore_meta(tmp / "model", arch, hf_source_dir)
             _write_json(tmp / "rng.json", rngs)
             _write_json(tmp / "state.json", {
                 "format": FORMAT,
@@ -135,12 +185,63 @@ def save_checkpoint(
                 "world_size": world,
                 "extra": extra,
             })
-        atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
-    else:
-        _drain(model_tensors)
-        _drain(opt_tensors)
-    parallel.barrier()
+            replace_dir(tmp, out)
+            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
+            prune_checkpoints(save_dir, keep)
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
+    _raise_any(_all_gather(error), f"saving checkpoint {out}")
     return out
+
+
+def _iterations(save_dir: Path) -> dict[int, Path]:
+    found = {}
+    for d in save_dir.glob("iter_*"):
+        number = d.name[len("iter_"):]
+        if d.is_dir() and number.isdigit():
+            found[int(number)] = d
+    return found
+
+
+def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0: delete none) and leftovers of interrupted saves.
+
+    The one the tracker names is never deleted. A folder is first renamed out of the ``iter_*`` namespace, then
+    removed, so a crash mid-delete leaves no half checkpoint that looks loadable. Returns the deleted folders.
+    """
+    save_dir = Path(save_dir)
+    current = latest_iteration(save_dir)
+    found = _iterations(save_dir)
+    doomed = sorted(found)[:-keep] if keep > 0 else []
+    doomed = [found[i] for i in doomed if i != current]
+    # temp/old folders of atomic_dir and half deletions, left by a killed run (one run writes a save_dir at a time)
+    doomed += [d for d in save_dir.glob(".iter_*") if d.is_dir()]
+    for d in doomed:
+        _remove_dir(d)
+    return doomed
+
+
+def _remove_dir(d: Path) -> None:
+    """Rename out of the visible namespace first, so a crash mid-delete leaves no half folder that looks complete."""
+    trash = d if d.name.startswith(".") else d.with_name(f".{d.name}.deleting-{os.getpid()}")
+    if trash != d:
+        os.replace(d, trash)
+    shutil.rmtree(trash)
+
+
+def prune_stage_export(hf_dir: str | Path, rollout_manifest: str | Path) -> bool:
+    """Delete a stage's HF export (``hf/stage_k``) once the rollout it served is durable (its manifest is written):
+    the stage's data no longer needs it, and a resume skips that rollout. Returns whether a folder was deleted.
+    Callers keep ``hf/final`` and the ``--hf-export-interval`` folders by never passing them."""
+    hf_dir = Path(hf_dir)
+    if not Path(rollout_manifest).exists() or not hf_dir.is_dir():
+        return False
+    _remove_dir(hf_dir)
+    for leftover in hf_dir.parent.glob(f".{hf_dir.name}.deleting-*"):  # a delete a killed run left half done
+        shutil.rmtree(leftover)
+    return True
 
 
 def latest_iteration(load_dir: str | Path) -> int | None:

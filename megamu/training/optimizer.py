@@ -8,12 +8,18 @@ Both expose the same small surface: ``zero_grad()``, ``step() -> (grad_norm, lr)
 ``load_state_dict()`` for the scalar state (update count), and ``param_state(p)`` / ``load_param_state(p, state)`` for
 the Adam moments (GPU bf16: and fp32 main weight) of one parameter as this rank's TP shard (complete over DP), which
 ``megamu.training.checkpoint`` turns into the TP-independent full layout.
+
+A non-finite gradient norm skips the update (Megatron's behaviour; every rank sees the same reduced norm, so all
+skip together): ``skipped_steps`` counts them, ``last_step_skipped`` tells the caller, and more than
+``max_skipped_steps`` in a row raise. ``offload(spill_dir)`` / ``reload()`` take the trainer's memory away for a
+rollout and give it back bitwise; ``memory()`` reports what the trainer's tensors occupy (``megamu.training.memory``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +27,7 @@ import torch.distributed as dist
 from megamu import parallel
 from megamu.device import CPU, Device
 from megamu.errors import ConfigError
+from megamu.training.memory import TrainerMemory, spill, storage_bytes, unspill
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduce
@@ -41,6 +48,7 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
     lr_warmup_iters: int = 0
+    max_skipped_steps: int = 5  # non-finite updates skipped in a row before the run stops (0: the first one stops it)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -49,6 +57,8 @@ class OptimizerConfig:
             raise ConfigError("clip_grad", f"must be >= 0, got {self.clip_grad}")
         if self.lr_warmup_iters < 0:
             raise ConfigError("lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
+        if self.max_skipped_steps < 0:
+            raise ConfigError("max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
 
     def lr_at(self, update: int) -> float:
         if self.lr_warmup_iters and update < self.lr_warmup_iters:
@@ -60,6 +70,39 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+class SkipCounter:
+    """Skipped-update bookkeeping shared by both optimisers (checkpointed with the update count)."""
+
+    def __init__(self, cfg: OptimizerConfig):
+        self.cfg = cfg
+        self.iteration = 0  # applied updates: drives the LR schedule (a skipped update does not advance it)
+        self.skipped_steps = 0  # over the whole run
+        self.skipped_in_a_row = 0
+        self.last_step_skipped = False
+
+    def _record(self, finite: bool, norm: float) -> None:
+        self.last_step_skipped = not finite
+        if finite:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row > self.cfg.max_skipped_steps:
+            raise FloatingPointError(
+                f"gradient norm is {norm} for the {self.skipped_in_a_row}th update in a row (after update "
+                f"{self.iteration}); max_skipped_steps {self.cfg.max_skipped_steps} allows no more"
+            )
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "skipped_steps": self.skipped_steps,
+                "skipped_in_a_row": self.skipped_in_a_row}
+
+    def _load_counts(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # checkpoints written before skipping existed
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: Device = CPU
                     ) -> TorchAdamW | MegatronDistributedAdam:
     """CPU -> TorchAdamW; CUDA -> megatron DDP + DistributedOptimizer (wraps ``model`` for gradient buffers)."""
@@ -68,9 +111,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: Device
     return TorchAdamW(model, cfg)
 
 
-class TorchAdamW:
+class TorchAdamW(SkipCounter):
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.model = model
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in self.named_params if not _no_weight_decay(n, p)]
@@ -80,7 +123,7 @@ class TorchAdamW:
             [g for g in groups if g["params"]], lr=cfg.lr_at(0), betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
         )
-        self.iteration = 0  # completed updates: drives the LR schedule
+        self._spill_file = None
 
     def zero_grad(self) -> None:
         for _, p in self.named_params:
@@ -123,25 +166,52 @@ class TorchAdamW:
         allreduce_tp_partial_grads(self.model)  # Qwen3 q/k norms: each TP rank holds part of the gradient
         self._all_reduce_grads()
         norm = self._grad_norm()
-        if not math.isfinite(norm):
-            raise FloatingPointError(f"gradient norm is {norm} at update {self.iteration}; not stepping")
+        lr = self.cfg.lr_at(self.iteration)
+        self._record(math.isfinite(norm), norm)
+        if self.last_step_skipped:
+            return norm, lr
         if self.cfg.clip_grad > 0:
             coeff = self.cfg.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
                 for _, p in self.named_params:
                     p.grad.mul_(coeff)
-        lr = self.cfg.lr_at(self.iteration)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
         self.iteration += 1
         return norm, lr
 
-    def state_dict(self) -> dict:
-        return {"iteration": self.iteration}
-
     def load_state_dict(self, state: dict) -> None:
-        self.iteration = int(state["iteration"])
+        self._load_counts(state)
+
+    def _moments(self) -> list[torch.Tensor]:
+        return [st[k] for _, p in self.named_params if (st := self.opt.state.get(p)) for k in ADAM_STATES]
+
+    def offload(self, spill_dir: str | Path) -> None:
+        """Free the gradients (the next update starts from ``zero_grad``) and spill the Adam moments to a file
+        under ``spill_dir``; the parameters stay (the in-process engine and weight exports read them)."""
+        if self._spill_file is not None:
+            raise RuntimeError("offload: the optimiser state is already offloaded")
+        for _, p in self.named_params:
+            p.grad = None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._spill_file = Path(spill_dir) / f"adam-moments-rank{rank:05d}.bin"
+        spill(self._moments(), self._spill_file)
+
+    def reload(self) -> None:
+        """The moments back from the spill file, bit for bit, into the same tensors."""
+        if self._spill_file is None:
+            raise RuntimeError("reload: nothing was offloaded")
+        unspill(self._moments(), self._spill_file)
+        self._spill_file = None
+
+    def memory(self) -> TrainerMemory:
+        device, seen = next(iter(p for _, p in self.named_params)).device, set()
+        return TrainerMemory(
+            params=storage_bytes((p for _, p in self.named_params), device, seen),
+            grads=storage_bytes((p.grad for _, p in self.named_params), device, seen),
+            moments=storage_bytes(self._moments(), device, seen),
+        )
 
     def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """{"step", "exp_avg", "exp_avg_sq"} of parameter ``p`` (this rank's TP shard), None before its first step."""
@@ -155,7 +225,7 @@ class TorchAdamW:
         }
 
 
-class MegatronDistributedAdam:
+class MegatronDistributedAdam(SkipCounter):
     """GPU path: megatron-core DDP + DistributedOptimizer. Tested by tests/gpu (skipped without CUDA, so not in CI).
 
     The model's weights are the truth until the first update: callers load HF or checkpoint weights AFTER building
@@ -168,7 +238,7 @@ class MegatronDistributedAdam:
         from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
-        self.cfg = cfg
+        super().__init__(cfg)
         config = model.config
         config.calculate_per_token_loss = True  # our loss is pre-scaled by global counts: DDP must sum, not average
         self.ddp = DistributedDataParallel(
@@ -190,7 +260,6 @@ class MegatronDistributedAdam:
             ),
             [self.ddp],
         )
-        self.iteration = 0
         self._main_params_stale = True
 
     def _optimizers(self) -> list:
@@ -215,17 +284,14 @@ class MegatronDistributedAdam:
             group["lr"] = lr
             # megatron marks biases and 1-D parameters with wd_mult = 0, which only its LR scheduler applies
             group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
-        ok, norm, _ = self.opt.step()
-        if not ok:
-            raise FloatingPointError(f"gradient norm is not finite at update {self.iteration}; not stepping")
-        self.iteration += 1
-        return float(norm), lr
-
-    def state_dict(self) -> dict:
-        return {"iteration": self.iteration}
+        ok, norm, _ = self.opt.step()  # megatron found inf/nan over all ranks: nothing was changed
+        self._record(bool(ok), float("nan") if norm is None else float(norm))
+        if ok:
+            self.iteration += 1
+        return float("nan") if norm is None else float(norm), lr
 
     def load_state_dict(self, state: dict) -> None:
-        self.iteration = int(state["iteration"])
+        self._load_counts(state)
         for group in self.opt.param_groups:
             group["step"] = self.iteration  # TE FusedAdam's bias correction counter
 
@@ -274,3 +340,44 @@ class MegatronDistributedAdam:
         opt._set_main_param_and_optimizer_states(p, {**tensors, **({"step": local["step"]} if "step" in local else {})})
         if isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # per-parameter step (TE's: per group)
             opt.optimizer.state[local["param"]]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()
+
+    # --- offload around a rollout (megatron-core 0.16.1's own hooks; views into the flat buffers stay valid) ---
+
+    def _buffers(self) -> list:
+        return list(self.ddp.buffers) + list(self.ddp.expert_parallel_buffers)
+
+    def offload(self, spill_dir: str | Path | None = None) -> None:
+        """Parameters, gradient buffers, fp32 main parameters and Adam moments leave the GPU (to pinned host memory).
+
+        Order matters: the optimiser goes first, since fp32 parameters' main shards are views into the parameter
+        buffer that the buffer offload empties. ``spill_dir`` is unused (host memory holds the copies)."""
+        torch.cuda.synchronize()
+        self.opt.zero_grad()  # main-param .grad views into the grad buffer; the next update starts from zero
+        self.opt.offload_to_cpu()
+        self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+        for buffer in self._buffers():
+            buffer.offload_to_cpu(move_params=True, move_grads=False)
+        torch.cuda.synchronize()  # the copies to host are non-blocking
+        torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Everything back on the GPU, bitwise; gradient buffers come back zeroed."""
+        for buffer in self._buffers():
+            buffer.reload_from_cpu(move_params=True, move_grads=False)
+        self.ddp.restore_grad_buffers(synchronize=False)
+        self.opt.restore_from_cpu()
+        torch.cuda.synchronize()
+
+    def memory(self) -> TrainerMemory:
+        device, seen = torch.device("cuda", torch.cuda.current_device()), set()
+        buffers = self._buffers()
+        groups = [g for opt in self._optimizers() for g in opt.optimizer.param_groups]
+        main = [p for g in groups for p in g["params"]]
+        states = [v for opt in self._optimizers() for st in opt.optimizer.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor)]
+        return TrainerMemory(
+            params=storage_bytes([b.param_data for b in buffers] + list(self.ddp.module.parameters()), device, seen),
+            grads=storage_bytes([b.grad_data for b in buffers], device, seen),
+            main_params=storage_bytes(main, device, seen),
+            moments=storage_bytes(states, device, seen),
+        )

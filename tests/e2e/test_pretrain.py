@@ -67,7 +67,7 @@ def reference(tiny, tmp_path_factory) -> Path:
     return save
 
 
-def test_uninterrupted_run_writes_everything(reference):
+def test_uninterrupted_run_writes_everything(tiny, reference):
     updates = records(reference, "update")
     assert [u["update"] for u in updates] == list(range(STAGES * MU))
     for u in updates:
@@ -85,13 +85,16 @@ def test_uninterrupted_run_writes_everything(reference):
     assert (reference / "latest_checkpointed_iteration.txt").read_text().strip() == str(STAGES * MU)
     for k in range(STAGES):
         assert (reference / "rollouts" / f"stage_{k}" / "manifest.json").exists()
-        assert (reference / "hf" / f"stage_{k}" / "config.json").exists()
+    # stage exports go once their rollout is durable; the final one stays
+    assert sorted(p.name for p in (reference / "hf").iterdir()) == ["final"]
+    # --keep-checkpoints 2 (default) of the 4 written (--save-interval 2, μ = 4, 2 stages)
+    assert sorted(p.name for p in reference.glob("iter_*")) == ["iter_0000006", "iter_0000008"]
     assert list((reference / "tensorboard").glob("events.*"))
     # the exported policy loads in transformers and differs from the initial one (training moved it)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(reference / "hf" / "final")
-    init = AutoModelForCausalLM.from_pretrained(reference / "hf" / "stage_0")
+    init = AutoModelForCausalLM.from_pretrained(tiny)
     moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), init.parameters())]
     assert any(moved)
 
@@ -203,3 +206,48 @@ def test_stage_prompts_cover_each_epoch_once():
     assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n : 2 * n]) == list(range(n))
     assert stream[:n] != stream[n : 2 * n]  # reshuffled each epoch
     assert epoch_stream(n, 3, 3 * per_stage, per_stage) == stream[12:16]  # a stage is a pure function of its index
+
+
+def test_offload_train_is_bitwise_and_frees_the_optimiser_state(tiny, reference, tmp_path):
+    """Staged runs offload by default (the reference): the same run without it ends with the same weights, bit for
+    bit, and each stage record shows the trainer holding at least the Adam moments less while the engine ran."""
+    save = tmp_path / "no-offload"
+    launch(flags(tiny, save, "--no-offload-train"))
+    ref, got = final_weights(reference), final_weights(save)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+    n_params = sum(t.numel() for t in ref.values())
+    moments_gib = 2 * 4 * n_params / 2**30  # exp_avg + exp_avg_sq in fp32 (megatron's vocab padding only adds)
+    for s in records(reference, "stage"):
+        assert s["trainer_mem_train_gib"] - s["trainer_mem_rollout_gib"] >= moments_gib, s
+    for s in records(save, "stage"):  # without the hand-off the moments stay (from stage 1 on: they exist)
+        if s["stage"] > 0:
+            assert s["trainer_mem_train_gib"] - s["trainer_mem_rollout_gib"] < moments_gib, s
+    assert not (reference / "offload").exists() or not any((reference / "offload").iterdir())  # spill files gone
+
+
+def test_retention_keeps_two_checkpoints_and_resumes_bitwise(tiny, tmp_path):
+    """3 stages, a checkpoint after every update, 2 kept: a kill mid-stage-2 and a resume end bitwise equal to the
+    uninterrupted run, with exactly 2 checkpoints on disk."""
+    three = ("--num-stages", "3", "--save-interval", "1", "--keep-checkpoints", "2")
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    launch(flags(tiny, full, *three))
+    crashed = launch(flags(tiny, killed, *three), env={"MEGAMU_CRASH_AFTER": "update:10"}, check=False)
+    assert crashed.returncode != 0
+    assert sorted(p.name for p in killed.glob("iter_*")) == ["iter_0000009", "iter_0000010"]
+    launch(flags(tiny, killed, *three))
+    ref, got = final_weights(full), final_weights(killed)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
+    for save in (full, killed):
+        assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000011", "iter_0000012"]
+        assert not list(save.glob(".iter_*"))
+    disk = sum(f.stat().st_size for f in killed.glob("iter_*/**/*") if f.is_file())
+    print(f"2 checkpoints: {disk / 2**20:.2f} MiB")
+
+
+def test_colocated_run_writes_no_per_refresh_checkpoint_or_export(tiny, tmp_path):
+    save = tmp_path / "colocated"
+    launch(flags(tiny, save, "--rollout-mode", "colocated", "--save-interval", "3", "--keep-checkpoints", "0"))
+    # 2 refreshes of μ = 4 updates: a checkpoint every 3 updates of the run and at its end, none at a refresh (4)
+    assert len(records(save, "update")) == 8
+    assert sorted(p.name for p in save.glob("iter_*")) == [f"iter_{i:07d}" for i in (3, 6, 8)]
+    assert sorted(p.name for p in (save / "hf").iterdir()) == ["final"]

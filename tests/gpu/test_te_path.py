@@ -106,16 +106,18 @@ def test_weight_decay_skips_biases_and_1d_parameters(distributed, tmp_path):
         torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=0, msg=n)
 
 
-def test_non_finite_gradients_stop_the_run_without_stepping(distributed, tmp_path):
+def test_non_finite_gradients_skip_the_update_and_a_run_of_them_stops(distributed, tmp_path):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=8)
     model, arch = te_model(hf, bf16=True)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-3), CUDA)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, max_skipped_steps=1), CUDA)
     samples = _anchored_samples(model, arch, seed=9)
     norm = next(p for n, p in model.named_parameters() if n.endswith("final_layernorm.weight"))
     with torch.no_grad():
         norm[0] = float("nan")  # every logit, loss and gradient becomes nan
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(FloatingPointError):
+    train_step(model, opt, samples, ALGORITHM_PRESETS["mu-grpo"], micro_batch_size=8)
+    assert opt.last_step_skipped and opt.skipped_steps == 1 and opt.iteration == 0
+    with pytest.raises(FloatingPointError, match="max_skipped_steps 1"):
         train_step(model, opt, samples, ALGORITHM_PRESETS["mu-grpo"], micro_batch_size=8)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0, equal_nan=True, msg=n)

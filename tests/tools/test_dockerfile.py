@@ -6,6 +6,7 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -64,3 +65,21 @@ def test_base_image_carries_the_pinned_torch():
     base = re.search(r"^ARG BASE_IMAGE=(\S+)", text, flags=re.M).group(1)
     assert f":{dockerfile_pins()['torch']}-" in base, f"base image {base} is not built on the pinned torch"
     assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, flags=re.M)
+
+
+def test_transformer_engine_pin_is_in_the_range_megatron_core_is_tested_with():
+    """megatron-core declares the transformer-engine it is tested with in its "dev" extra; read it from the installed
+    distribution's metadata (CI installs the version the Dockerfile pins)."""
+    from importlib.metadata import requires, version
+
+    pins = dockerfile_pins()
+    installed = version("megatron-core")
+    if installed != pins["megatron-core"]:
+        pytest.skip(f"megatron-core {installed} is installed, the Dockerfile pins {pins['megatron-core']}")
+    te = [Requirement(r) for r in requires("megatron-core") if canonicalize_name(Requirement(r).name) ==
+          "transformer-engine"]
+    dev = [r for r in te if r.marker is not None and r.marker.evaluate({"extra": "dev", "sys_platform": "linux"})]
+    assert dev, f"megatron-core {installed} declares no transformer-engine in its dev extra: {te}"
+    for req in dev:
+        assert req.specifier.contains(pins["transformer-engine"], prereleases=True), (
+            f"Dockerfile transformer-engine=={pins['transformer-engine']} is outside megatron-core {installed}'s {req}")

@@ -56,7 +56,7 @@ def test_layout_is_atomic_and_megatron_named(run):
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     state = json.loads((run["path"] / "state.json").read_text())
-    assert state["extra"] == {"stage": 2, "update_offset": 9} and state["optimizer"] == {"iteration": 1}
+    assert state["extra"] == {"stage": 2, "update_offset": 9} and state["optimizer"]["iteration"] == 1
     assert (run["path"] / "model" / "hf_meta" / "config.json").exists()  # a complete mcore folder
 
 
@@ -90,3 +90,69 @@ def test_no_checkpoint_and_corrupt_checkpoints(run, tmp_path):
     (broken / "latest_checkpointed_iteration.txt").write_text("oops")
     with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt.*'oops'"):
         load_checkpoint(broken, model, run["arch"], opt)
+
+
+def test_writer_assignment_is_balanced_and_complete():
+    from megamu.training.checkpoint import writer_of
+
+    sizes = [("a", 100), ("b", 60), ("c", 50), ("d", 10), ("e", 1)]
+    owner = writer_of(sizes, 2)
+    assert set(owner) == {n for n, _ in sizes}
+    load = [sum(s for n, s in sizes if owner[n] == r) for r in range(2)]
+    # largest first to the lighter rank: a->0 (100), b->1 (60), c->1 (110), d->0 (110), e->0 on the tie (111)
+    assert load == [111, 110]
+    assert writer_of(sizes, 1) == dict.fromkeys(owner, 0)
+
+
+def test_retention_keeps_newest_and_the_tracked_one(run, tmp_path):
+    from megamu.training.checkpoint import TRACKER, prune_checkpoints
+
+    model, opt = fresh(run["arch"])
+    save = tmp_path / "save"
+    for it in (1, 2, 3):
+        save_checkpoint(save, it, model, run["arch"], opt, extra={}, keep=2)
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000003", TRACKER]
+    # leftovers of a killed save are swept; a tracker pointing at an older checkpoint protects it
+    (save / ".iter_0000004.tmp-x").mkdir()
+    (save / TRACKER).write_text("2\n")
+    for it in (5, 6):
+        (save / f"iter_{it:07d}").mkdir()
+    deleted = prune_checkpoints(save, 2)
+    assert sorted(p.name for p in deleted) == [".iter_0000004.tmp-x", "iter_0000003"]
+    assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "iter_0000005", "iter_0000006", TRACKER]
+    assert prune_checkpoints(save, 0) == []  # 0 keeps all
+
+
+def test_failed_write_leaves_previous_checkpoint_untouched(run, tmp_path, monkeypatch):
+    import megamu.training.checkpoint as ckpt
+
+    model, opt = fresh(run["arch"])
+    save = tmp_path / "save"
+    save_checkpoint(save, 1, model, run["arch"], opt, extra={})
+    before = sorted(p.name for p in save.iterdir())
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_shards", disk_full)
+    with pytest.raises(CheckpointError, match="rank 0: OSError.*No space left"):
+        save_checkpoint(save, 2, model, run["arch"], opt, extra={})
+    assert sorted(p.name for p in save.iterdir()) == before  # no temp folder, tracker still at 1
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(save, model, run["arch"], opt)["iteration"] == 1
+
+
+def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
+    from megamu.training.checkpoint import prune_stage_export
+
+    hf = tmp_path / "hf" / "stage_0"
+    hf.mkdir(parents=True)
+    (hf / "config.json").write_text("{}")
+    manifest = tmp_path / "rollouts" / "stage_0" / "manifest.json"
+    assert not prune_stage_export(hf, manifest) and hf.exists()  # rollout not finished: the export may be needed
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    (tmp_path / "hf" / ".stage_0.deleting-1").mkdir()  # left by a killed delete
+    assert prune_stage_export(hf, manifest)
+    assert list((tmp_path / "hf").iterdir()) == []
+    assert not prune_stage_export(hf, manifest)  # idempotent on resume

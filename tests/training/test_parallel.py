@@ -1,6 +1,7 @@
 """Two ranks under torchrun (gloo): DP=2 gradient invariance for every aggregation, TP=1 vs TP=2 after one update,
 checkpoints saved at TP=2 loaded at TP=1 and back (see workers/parallel_worker.py for the assertions)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,19 @@ def test_data_and_tensor_parallel_training_and_resharding(tmp_path, family):
     print(proc.stdout)
     assert proc.stdout.strip().endswith("OK")
     assert "max rel grad diff" in proc.stdout and "TP=1 checkpoint loaded at TP=2" in proc.stdout
+
+
+WAIT_WORKER = Path(__file__).parent / "workers" / "wait_worker.py"
+
+
+def test_ranks_wait_for_a_long_rank0_phase_on_the_cpu_group_despite_a_short_timeout(tmp_path):
+    proc = run_torchrun(WAIT_WORKER, 2, "wait", str(tmp_path), timeout=120)
+    # the ranks share stdout, so their lines may interleave: find the reports anywhere in it
+    waited = {int(r): float(t) for r, t in re.findall(r"rank (\d) waited ([\d.]+)s OK", proc.stdout)}
+    assert set(waited) == {0, 1} and waited[1] > 3.0, proc.stdout  # rank 1 waited past the 3 s timeout and survived
+
+
+def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
+    with pytest.raises(AssertionError, match="failed") as failure:  # the control: same wait through the default group
+        run_torchrun(WAIT_WORKER, 2, "barrier", str(tmp_path), timeout=120)
+    assert "rank 1 initialised" in str(failure.value) and "Timed out" in str(failure.value)

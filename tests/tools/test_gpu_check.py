@@ -1,0 +1,70 @@
+"""bench/gpu_check.py's CPU side: argument parsing, the wheel list against the pins, the trainer flags it uses, and
+its checks on the CPU (--dry-run; the trainer stage is covered by tests/e2e)."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.utils import canonicalize_name
+
+from tests.tools.test_dockerfile import dockerfile_pins, setup_requirements
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_check  # noqa: E402
+
+
+def wheel_pins() -> dict[str, str]:
+    text = (REPO / "tools" / "gpu_wheels.sh").read_text()
+    block = text[text.index("WHEELS=(") : text.index("\n)\n", text.index("WHEELS=("))]
+    return {canonicalize_name(n): v for n, v in re.findall(r"^\s+([A-Za-z0-9_.\-]+)==(\S+)", block, flags=re.M)}
+
+
+def test_wheels_agree_with_the_dockerfile_and_setup_py():
+    wheels, pins = wheel_pins(), dockerfile_pins()
+    assert wheels["megatron-core"] == pins["megatron-core"]
+    for req in setup_requirements()["core"]:
+        name = canonicalize_name(req.name)
+        if name in wheels:
+            assert req.specifier.contains(wheels[name]), f"gpu_wheels.sh {name}=={wheels[name]} violates {req}"
+    # every module the check needs beyond the stock image comes from a listed wheel
+    assert {"megatron-core", "math-verify", "pyarrow"} <= set(wheels)
+    assert len(gpu_check.NEEDED) == 3
+
+
+def test_arguments():
+    args = gpu_check.parse_args([])
+    assert (args.dry_run, args.steps, args.seq_len, args.samples) == (False, 5, 2048, 32)
+    args = gpu_check.parse_args(["--dry-run", "--only", "train", "offload"])
+    assert (args.steps, args.seq_len, args.only) == (2, 48, ["train", "offload"])
+    for bad in (["--samples", "12"], ["--seq-len", "8"], ["--only", "nope"]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(bad)
+
+
+def test_stage_flags_parse(tmp_path):
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+    from megamu.tiny import save_tiny_model
+
+    hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=3)
+    for device in (Device("cpu"), Device("cuda")):
+        cfg = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", device.is_cuda), device=device)
+        assert cfg.plan.num_stages == 1 and cfg.plan.mu == 2 and cfg.policy.bf16 == device.is_cuda
+        assert cfg.rollout.engine.kind == "local"
+        assert cfg.policy.transformer_impl == ("local" if device.is_cuda else None)
+
+
+def test_dry_run_checks_pass_on_cpu(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run", "--only", "train",
+                           "offload", "checkpoint", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["check"] for r in report["rows"]] == ["train", "offload", "checkpoint"]
+    assert all(r["ok"] for r in report["rows"])
+    assert re.search(r"^offload\s+PASS", proc.stdout, flags=re.M)

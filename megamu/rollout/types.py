@@ -52,8 +52,9 @@ def describe_request(req: GenerateRequest) -> str:
     return f"prompt {req.prompt_id}" + (f" ({req.source})" if req.source else "")
 
 
-def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, context_length: int | None) -> None:
-    """Refuse empty prompts, ids outside [0, vocab_size) and prompt + max_new_tokens over the context, all at once.
+def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, max_input_len: int | None) -> None:
+    """Refuse empty prompts, ids outside [0, vocab_size) and prompts of ``max_input_len`` tokens or more (SGLang's
+    ``max_req_input_len``: it refuses those), all at once.
 
     An empty prompt or an out-of-vocabulary id kills a real SGLang server's scheduler (notes/sglang.md), so these
     must never be sent; checking the whole list first names every bad row before any work is done."""
@@ -65,8 +66,9 @@ def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, conte
         elif vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
             tok = next(t for t in ids if t < 0 or t >= vocab_size)
             why = f"token id {tok} outside the model's vocabulary [0, {vocab_size})"
-        elif context_length is not None and len(ids) >= context_length:
-            why = f"{len(ids)} prompt tokens leave no room in the server's context of {context_length}"
+        elif max_input_len is not None and len(ids) >= max_input_len:
+            limit = max_input_len - 1
+            why = f"{len(ids)} prompt tokens, the server's limit is {limit} (max_req_input_len {max_input_len})"
         if why:
             bad.append(f"{describe_request(req)}: {why}")
     if bad:

@@ -1,7 +1,7 @@
 """A small HTTP server that speaks SGLang's /generate schema (notes/sglang.md), backed by LocalEngine.
 
 Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
-Faults can be queued to test the client: "503" (one error response), "drop" (close the connection without an
+Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
 answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
 has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
 """
@@ -119,8 +119,8 @@ class SchemaServer:
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
                 fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
-                if fault == "503":
-                    return self._reply(503, {"error": "injected overload"})
+                if fault in ("503", "400"):
+                    return self._reply(int(fault), {"error": f"injected HTTP {fault}"})
                 if fault == "drop":
                     self.close_connection = True
                     return

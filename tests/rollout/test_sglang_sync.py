@@ -138,3 +138,29 @@ def test_launch_command_and_environment():
         SGLangConfig(extra_server_args=["--dtype", "float16"])
     with pytest.raises(ValueError, match="'disk' or 'memory'"):
         SGLangConfig(weight_sync="nccl")
+
+
+def test_streamed_phase_writes_the_same_shards_and_keeps_them_after_a_failure(server, tiny_llama, tmp_path):
+    from megamu.rollout.dataset import StageDataset
+    from megamu.rollout.phase import run_rollout_phase
+    from megamu.tiny import build_char_tokenizer
+    from tests.rollout.test_phase import SAMPLING, ParityScorer, _assert_same_groups, make_prompts
+
+    tok = build_char_tokenizer()
+    prompts = make_prompts(tok)
+    kw = dict(sampling=SAMPLING, n_samples=3, scorer=ParityScorer(), tokenizer=tok, stage=1, groups_per_shard=2)
+    client = _client(server, max_concurrency=2)
+
+    class CallByCall:  # the same server through generate() only: the phase's call-by-call path, as before streaming
+        name = "sglang"
+        generate = client.generate
+
+    run_rollout_phase(CallByCall(), prompts, tmp_path / "calls", shards_per_call=2, **kw)
+    server.faults = ["sleep:0"] * 4 + ["400"]  # the fifth request (of 7) is refused: the phase stops there
+    with pytest.raises(SGLangError, match="HTTP 400"):
+        run_rollout_phase(client, prompts, tmp_path / "streamed", max_in_flight=2, **kw)
+    kept = sorted(p.name for p in (tmp_path / "streamed").glob("shard-*"))
+    assert kept and len(kept) < 4  # the shards finished before the failure stay on disk
+    m = run_rollout_phase(client, prompts, tmp_path / "streamed", max_in_flight=3, **kw)  # resumed
+    assert m.engine == "sglang" and m.num_groups == 7
+    _assert_same_groups(StageDataset(tmp_path / "streamed").groups(), StageDataset(tmp_path / "calls").groups())

@@ -25,7 +25,7 @@ CPU_SERVER_ARGS = (
 
 def sglang_cpu_paths() -> tuple[Path, Path]:
     venv = Path(os.environ.get("MEGAMU_SGLANG_VENV", Path.home() / ".cache" / "megamu" / "sglang-cpu-venv"))
-    cpu_dir = Path(os.environ.get("MEGAMU_SGLANG_CPU", "/work/shared/sglang-cpu"))
+    cpu_dir = Path(os.environ.get("MEGAMU_SGLANG_CPU", "../shared/sglang-cpu"))
     if not (venv / "bin" / "python").exists() or not (cpu_dir / "stubs").is_dir():
         raise RuntimeError(f"the CPU SGLang build is missing ({venv}, {cpu_dir}/stubs): run `make test-sglang`, "
                            "which builds it with shared/sglang-cpu/setup.sh")

@@ -17,7 +17,7 @@ from megamu.rollout.types import GenerateRequest, SamplingParams
 
 
 class SchemaServer:
-    def __init__(self, engine, api_key: str = "secret", deterministic: bool = True):
+    def __init__(self, engine, api_key: str = "secret", deterministic: bool = True, port: int = 0):
         self.engine = engine
         self.api_key = api_key
         self.deterministic = deterministic  # LocalEngine honours seeds, like SGLang with deterministic inference
@@ -27,7 +27,7 @@ class SchemaServer:
         self.weight_version = "default"  # as SGLang: set by a weight update, reported on every sample
         self.max_req_input_len = 64
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -16,7 +16,7 @@ from megamu.rollout.sglang_sync import LogprobProbe, WeightMismatch
 from megamu.rollout.types import GenerateRequest, PromptError, SamplingParams
 from megamu.tiny import save_tiny_model
 from tests.processes import pid_alive
-from tests.sglang_real.conftest import API_KEY, cpu_config, group_members
+from tests.sglang_real.cpu_server import API_KEY, cpu_config, group_members
 
 ATOL = 1e-4
 PORT = 39400

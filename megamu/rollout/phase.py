@@ -149,7 +149,8 @@ def _called_shards(engine, shard_requests: dict[int, list[GenerateRequest]], sha
     keys = list(shard_requests)
     calls = [keys[c : c + shards_per_call] for c in range(0, len(keys), shards_per_call)]
     gen = lambda call: engine.generate([r for k in call for r in shard_requests[k]])
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generate") as pool:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generate")
+    try:
         ahead = pool.submit(gen, calls[0]) if calls else None
         for c, call in enumerate(calls):
             out = ahead.result()
@@ -158,6 +159,8 @@ def _called_shards(engine, shard_requests: dict[int, list[GenerateRequest]], sha
                 n = sum(r.sampling.n for r in shard_requests[k])
                 yield k, out[:n]
                 out = out[n:]
+    finally:  # on an error, do not wait for the call generating ahead
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_plan(out: Path, plan: dict) -> None:

@@ -5,6 +5,7 @@ Tolerances: both sides compute in float32 on a 2-layer model with hidden size 64
 agree to a few float32 ulps of values of size ~10 (~1e-5); 1e-4 leaves room for other CPUs' kernels and reductions.
 """
 
+import json
 import time
 
 import pytest
@@ -209,3 +210,20 @@ def test_memory_sync_matches_the_new_weights(served, tmp_path):
     group = engine._sync
     engine.update_weights(state_dict=state)
     assert engine._sync is group and engine.weight_version == "8"
+
+
+def test_two_stage_run_against_the_server(served, tmp_path):
+    """pretrain_mu_grpo.py with --sglang-url: each stage's export is checked against the running model and loaded
+    from disk; θ = β at each stage's first update (ratio 1) shows server, converter and trainer agree."""
+    from tests.e2e.test_pretrain import MU, flags, launch, records
+
+    save = tmp_path / "run"
+    launch(flags(served.model_dir_base, save, "--rollout-engine", "sglang", "--sglang-url", served.engine.urls[0]),
+           env={"SGLANG_API_KEY": API_KEY})
+    updates = records(save, "update")
+    assert len(updates) == 2 * MU
+    for first in (updates[0], updates[MU]):
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    for stage in (0, 1):
+        manifest = json.loads((save / "rollouts" / f"stage_{stage}" / "manifest.json").read_text())
+        assert manifest["engine"] == "sglang"

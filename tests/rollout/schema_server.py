@@ -25,7 +25,7 @@ class SchemaServer:
         self.faults: list[str] = []
         self.log: list[dict] = []  # every /generate body received, and what was answered
         self.weight_version = "default"  # as SGLang: set by a weight update, reported on every sample
-        self.max_req_input_len = 64
+        self.max_req_input_len: int | None = None  # reported in /server_info when set (SGLang always reports it)
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -98,9 +98,11 @@ class SchemaServer:
                 if self.path == "/health":
                     return self._reply(200, {})
                 if self.path == "/server_info":
-                    return self._reply(200, {"model_path": server.engine.hf_dir, "dtype": "float32",
-                                             "max_req_input_len": server.max_req_input_len,
-                                             "enable_deterministic_inference": server.deterministic})
+                    info = {"model_path": server.engine.hf_dir, "dtype": "float32",
+                            "enable_deterministic_inference": server.deterministic}
+                    if server.max_req_input_len is not None:
+                        info["max_req_input_len"] = server.max_req_input_len
+                    return self._reply(200, info)
                 if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.engine.hf_dir,
                                              "weight_version": server.weight_version})

@@ -33,6 +33,7 @@ def _client(server, **kw):
 
 
 def test_bad_prompts_are_refused_before_anything_is_sent(server):
+    server.max_req_input_len = 64
     client = _client(server)
     sp = SamplingParams(max_new_tokens=3)
     reqs = [GenerateRequest(0, [5, 6], sp, source="p.jsonl: row 1"),

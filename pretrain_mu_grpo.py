@@ -19,27 +19,27 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph
 
 
 def main(argv=None) -> None:
-    args, algo, plan = parse_args(argv)
+    cfg = parse_args(argv)
     if os.environ.get("RANK", "0") == "0":
-        print("μ-GRPO plan:\n" + plan.describe(algo) + "\n" + plan.json_line(), flush=True)
-    if args.dry_run:
+        print("μ-GRPO plan:\n" + cfg.describe() + "\n" + cfg.plan.json_line(), flush=True)
+    if cfg.dry_run:
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
-    parallel.init_distributed(args.tensor_model_parallel_size, args.seed)
+    parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device)
     from megamu.trainer import Run
 
-    run = Run(args, algo, plan)
-    for stage in range(run.stage, plan.num_stages):
+    run = Run(cfg)
+    policy, rollout, prompts = run.policy, run.rollout, run.prompts
+    for stage in range(run.stage, cfg.plan.num_stages):
         t0 = time.perf_counter()
-        hf_dir = run.export_policy(f"stage_{stage}")  # 1. freeze θ_k as the behaviour policy β_k
+        rollout.sync(policy, stage)  # 1. freeze θ_k as the behaviour policy β_k
         t1 = time.perf_counter()
-        dataset = run.rollout(stage, hf_dir)  # 2. β_k generates D_k; the engine is released
+        dataset = rollout.generate(stage, prompts.for_stage(stage), policy)  # 2. β_k generates D_k
         t2 = time.perf_counter()
         run.optimise(stage, dataset)  # 3. μ updates on the static D_k
         run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
     run.finish()
-    run.summary()
     parallel.destroy_distributed()
 
 

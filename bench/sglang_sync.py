@@ -93,7 +93,7 @@ def main() -> None:
         engine.shutdown()
     result = dict(model=args.model, repeats=args.repeats, bucket_mb=args.bucket_mb,
                   disk_s=statistics.median(disk), export_s=statistics.median(export),
-                  memory_s=statistics.median(memory), memory_probe_max_abs_diff=checked.probe_max_abs_diff,
+                  memory_s=statistics.median(memory), memory_probe_mean_abs_diff=checked.probe_mean_abs_diff,
                   disk_over_memory=statistics.median(disk) / statistics.median(memory))
     print(json.dumps(result, indent=2))
 

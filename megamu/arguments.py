@@ -8,10 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from megamu.algo import ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
-from megamu.algo.loss import AGGREGATIONS
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
+from megamu.data.stage_prompts import PromptsConfig
+from megamu.device import Device
+from megamu.errors import ConfigError
+from megamu.policy import PolicyConfig
+from megamu.rollout import ENGINE_KINDS, EngineConfig
+from megamu.rollout.modes import ROLLOUT_MODES, RolloutConfig
+from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
@@ -72,20 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute")
 
     g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-engine", choices=["local", "sglang"], default="local")
-    g.add_argument("--rollout-mode", choices=["staged", "colocated"], default="staged")
+    g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-max-response-len", type=int, default=64)
-    g.add_argument("--rollout-batch-size", type=int, default=64, help="LocalEngine: sequences decoded together")
     g.add_argument("--rollout-groups-per-shard", type=int, default=16, help="prompt groups per durable shard")
-    g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
-    g.add_argument("--sglang-num-servers", type=int, default=1)
-    g.add_argument("--sglang-tp-size", type=int, default=1)
-    g.add_argument("--sglang-server-args", default="",
-                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
     g.add_argument("--rollout-shards-per-call", type=int, default=1,
                    help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
+    add_engine_arguments(p)
 
     g = p.add_argument_group("run control")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
@@ -93,41 +95,143 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, one spelling for the trainer and tools/evaluate.py (read back by ``engine_config``)."""
+    g = p.add_argument_group("rollout engine")
+    g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default="local")
+    g.add_argument("--rollout-batch-size", type=int, default=64, help="local engine: sequences decoded together")
+    g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the engine's weights: the local engine's, SGLang servers' --dtype and the HF exports' "
+                        "(default: bfloat16 with --bf16, else float32)")
+    g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
+    g.add_argument("--sglang-num-servers", type=int, default=1)
+    g.add_argument("--sglang-tp-size", type=int, default=1)
+    g.add_argument("--sglang-server-args", default="",
+                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
+    g.add_argument("--sglang-python", default=None,
+                   help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
+    g.add_argument("--sglang-env", default="",
+                   help='environment of servers megamu launches, e.g. "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"')
+    g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
+                   help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
+                        "(default: memory in --rollout-mode colocated, disk in staged)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    for flag in ("rollout_batch_size", "sglang_num_servers", "sglang_tp_size"):
+        if getattr(args, flag) <= 0:
+            _error("--" + flag.replace("_", "-"), f"must be a positive integer, got {getattr(args, flag)}")
+    if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
+        _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
+    if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
+        _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
+    env = []
+    for item in shlex.split(args.sglang_env):
+        if "=" not in item:
+            _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
+        env.append(tuple(item.split("=", 1)))
+    colocated = getattr(args, "rollout_mode", "staged") == "colocated"
+    sync = args.weight_sync or ("memory" if colocated and args.rollout_engine == "sglang" else "disk")
+    if sync == "memory" and not colocated:
+        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
+                                "from the stage's export)")
+    dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
+    urls = tuple(u for u in (args.sglang_url or "").split(",") if u)
+    return EngineConfig(kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
+                        sglang_urls=urls, sglang_num_servers=args.sglang_num_servers,
+                        sglang_tp_size=args.sglang_tp_size,
+                        sglang_server_args=tuple(shlex.split(args.sglang_server_args)),
+                        sglang_python=args.sglang_python, sglang_env=tuple(env), weight_sync=sync)
+
+
 @dataclass
 class Plan:
+    """The run's shape: how many stages, updates and samples (printed by --dry-run)."""
+
     num_stages: int
     mu: int
     prompts_per_stage: int
     prompts_per_update: int
     n_samples_per_prompt: int
-    updates_per_stage: int
-    total_updates: int
-    samples_per_stage: int
-    total_samples: int
-    max_tokens_per_stage: int
-    weight_syncs: int
+    max_response_len: int
     algorithm: str
     rollout_mode: str
 
-    def describe(self, algo: AlgoConfig) -> str:
+    @property
+    def total_updates(self) -> int:
+        return self.num_stages * self.mu
+
+    @property
+    def samples_per_stage(self) -> int:
+        return self.prompts_per_stage * self.n_samples_per_prompt
+
+    def summary(self) -> dict:
+        """Every count the plan implies (weight syncs: one per stage, the engine's refresh)."""
+        return {**asdict(self), "updates_per_stage": self.mu, "total_updates": self.total_updates,
+                "samples_per_stage": self.samples_per_stage, "total_samples": self.num_stages * self.samples_per_stage,
+                "max_tokens_per_stage": self.samples_per_stage * self.max_response_len,
+                "weight_syncs": self.num_stages}
+
+    def describe(self, algo: AlgoConfig, precision: str) -> str:
+        d = self.summary()
         rows = [
-            ("stages", self.num_stages), ("μ (updates per stage)", self.mu),
-            ("B_train (prompts per stage)", self.prompts_per_stage),
-            ("B_mini (prompts per update)", self.prompts_per_update),
-            ("G (samples per prompt)", self.n_samples_per_prompt), ("total updates", self.total_updates),
-            ("samples per stage", self.samples_per_stage), ("total samples", self.total_samples),
-            ("max response tokens per stage", self.max_tokens_per_stage), ("weight syncs", self.weight_syncs),
-            ("rollout mode", self.rollout_mode), ("algorithm", f"{self.algorithm} {algo.loss_kwargs()}"),
+            ("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
+            ("B_train (prompts per stage)", d["prompts_per_stage"]),
+            ("B_mini (prompts per update)", d["prompts_per_update"]),
+            ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
+            ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
+            ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"]),
+            ("rollout mode", d["rollout_mode"]), ("training precision", precision),
+            ("algorithm", f"{d['algorithm']} {algo.describe()}"),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
     def json_line(self) -> str:
-        return "plan: " + json.dumps(asdict(self))
+        return "plan: " + json.dumps(self.summary())
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.trainer.Run)."""
+
+    plan: Plan
+    algo: AlgoConfig
+    device: Device
+    policy: PolicyConfig
+    rollout: RolloutConfig
+    prompts: PromptsConfig
+    save: Path
+    tensorboard_dir: str
+    seed: int
+    tensor_model_parallel_size: int
+    log_interval: int = 1
+    save_interval: int = 0
+    hf_export_interval: int = 0
+    recompute_behaviour_logprobs: bool = False
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        return self.plan.describe(self.algo, "bf16" if self.policy.bf16 else "fp32")
+
+
+# Config fields whose flag is not "--" + the field's name with dashes.
+FLAG_OF_FIELD = {
+    "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
+    "name": "--algorithm",
+}
 
 
 def _error(flag: str, message: str):
     raise SystemExit(f"pretrain_mu_grpo.py: error: {flag}: {message}")
+
+
+def _config(make, **kwargs):
+    """Build a part's config; a ConfigError (which names a field) becomes an error naming the flag."""
+    try:
+        return make(**kwargs)
+    except ConfigError as e:
+        _error(FLAG_OF_FIELD.get(e.field, "--" + e.field.replace("_", "-")), e.message)
 
 
 def resolve_batch_sizes(args: argparse.Namespace) -> None:
@@ -171,18 +275,28 @@ def check_paths(args: argparse.Namespace) -> None:
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
 
 
-def validate(args: argparse.Namespace) -> AlgoConfig:
+def check_device(args: argparse.Namespace, device: Device) -> None:
+    """What the device cannot do is refused here, before any process group or model exists."""
+    if args.bf16 and not device.is_cuda:
+        message = ("needs a GPU: the CPU optimiser keeps no fp32 master weights, so CPU runs train in fp32 "
+                   "(drop --bf16 here)")
+        if not args.dry_run:
+            _error("--bf16", message)
+        print(f"warning: --bf16: {message} (ignored by --dry-run: the plan is for a GPU machine)", flush=True)
+    if args.transformer_impl == "transformer_engine" and not device.is_cuda and not args.dry_run:
+        _error("--transformer-impl", "transformer_engine needs a GPU; use local on CPU")
+
+
+def validate(args: argparse.Namespace) -> None:
     positive = ["num_stages", "n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
-                "tensor_model_parallel_size", "max_prompt_length", "rollout_batch_size", "log_interval",
+                "tensor_model_parallel_size", "max_prompt_length", "log_interval",
                 "rollout_groups_per_shard", "rollout_shards_per_call"]
     for name in positive:
         if getattr(args, name) <= 0:
             _error("--" + name.replace("_", "-"), f"must be a positive integer, got {getattr(args, name)}")
-    for name in ("save_interval", "lr_warmup_iters", "eval_prompts", "hf_export_interval"):
+    for name in ("save_interval", "eval_prompts", "hf_export_interval"):
         if getattr(args, name) < 0:
             _error("--" + name.replace("_", "-"), "must be >= 0")
-    if args.lr <= 0:
-        _error("--lr", f"must be > 0, got {args.lr}")
     if not 0 < args.rollout_temperature:
         _error("--rollout-temperature", f"must be > 0, got {args.rollout_temperature}")
     if not 0 < args.rollout_top_p <= 1:
@@ -194,33 +308,49 @@ def validate(args: argparse.Namespace) -> AlgoConfig:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
-    if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
-        _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.reward_fn and ":" not in args.reward_fn:
         _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     check_paths(args)
     resolve_batch_sizes(args)
-    try:
-        return algo_preset(args.algorithm).with_overrides(
-            clip_low=args.clip_low, clip_high=args.clip_high, veto_threshold=args.nav_threshold,
-            veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold, aggregation=args.loss_aggregation,
-        )
-    except ValueError as e:
-        _error("--algorithm", str(e))
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, AlgoConfig, Plan]:
+def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
+    """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
     args = build_parser().parse_args(argv)
-    algo = validate(args)
-    args.load = args.load or args.save
-    args.tensorboard_dir = args.tensorboard_dir or os.path.join(args.save, "tensorboard")
-    g, stages = args.n_samples_per_prompt, args.num_stages
-    plan = Plan(
-        num_stages=stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
-        prompts_per_update=args.prompts_per_update, n_samples_per_prompt=g, updates_per_stage=args.mu,
-        total_updates=stages * args.mu, samples_per_stage=args.prompts_per_stage * g,
-        total_samples=stages * args.prompts_per_stage * g,
-        max_tokens_per_stage=args.prompts_per_stage * g * args.rollout_max_response_len,
-        weight_syncs=stages, algorithm=algo.name, rollout_mode=args.rollout_mode,
-    )
-    return args, algo, plan
+    device = device or Device.detect()
+    validate(args)
+    check_device(args, device)
+    algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
+                   veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
+                   aggregation=args.loss_aggregation)
+    optimizer = _config(OptimizerConfig, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                        lr_warmup_iters=args.lr_warmup_iters)
+    save = Path(args.save)
+    plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
+                prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
+                max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode)
+    engine = engine_config(args)
+    policy = PolicyConfig(
+        hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
+        load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,
+        micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage, export_dtype=engine.dtype)
+    rollout = RolloutConfig(
+        mode=args.rollout_mode, engine=engine, run_dir=save, n_samples=args.n_samples_per_prompt,
+        seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
+        max_new_tokens=args.rollout_max_response_len, groups_per_shard=args.rollout_groups_per_shard,
+        shards_per_call=args.rollout_shards_per_call, reward_fn=args.reward_fn)
+    builtin = args.prompt_data == BUILTIN_DATA
+    prompts = PromptsConfig(
+        files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
+        held_out=args.eval_prompts, seed=args.seed, data_dir=save / "data",
+        builtin_rows=args.num_stages * args.prompts_per_stage + args.eval_prompts if builtin else 0,
+        prompt_key=args.prompt_key, answer_key=args.answer_key, max_prompt_length=args.max_prompt_length,
+        skip_bad_rows=args.skip_bad_rows)
+    return RunConfig(
+        plan=plan, algo=algo, device=device, policy=policy, rollout=rollout, prompts=prompts, save=save,
+        tensorboard_dir=args.tensorboard_dir or str(save / "tensorboard"), seed=args.seed,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, log_interval=args.log_interval,
+        save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
+        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run)

@@ -12,6 +12,10 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megamu.device import CPU, Device
+
+_device: Device = CPU  # set by init_distributed: the device this process trains on
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -19,9 +23,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0) -> None:
+def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU) -> None:
     """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice."""
     from megatron.core import parallel_state, tensor_parallel
+
+    global _device
 
     tp = int(tensor_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
@@ -31,11 +37,10 @@ def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0) -> None
                 f"{parallel_state.get_tensor_model_parallel_world_size()}, asked for {tp}"
             )
         return
+    _device = device
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if cuda else "gloo"
+        device.bind(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = device.backend
         if "RANK" in os.environ:  # torchrun
             dist.init_process_group(backend)
         else:  # plain python: a world of one on a free local port, without touching the env of child processes
@@ -46,7 +51,12 @@ def init_distributed(tensor_model_parallel_size: int = 1, seed: int = 0) -> None
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not device.is_cuda)
+
+
+def device() -> Device:
+    """The device given to init_distributed (CPU before it)."""
+    return _device
 
 
 def destroy_distributed() -> None:

@@ -7,8 +7,9 @@ def distributed():
     import torch
 
     from megamu import parallel
+    from megamu.device import Device
 
     torch.set_num_threads(1)
-    parallel.init_distributed(tensor_model_parallel_size=1, seed=0)
+    parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device.detect())
     yield
     parallel.destroy_distributed()

@@ -2,7 +2,7 @@
 """Evaluate an HF folder, or every HF checkpoint of a run, on math benchmarks: avg@k pass@1 (the paper's App. B).
 
     python tools/evaluate.py --hf-dir MODEL --data aime24=../shared/data/aime24.jsonl --data math500=...
-    python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --engine sglang --sglang-num-servers 4
+    python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --rollout-engine sglang --sglang-num-servers 4
 
 Defaults follow the paper: 16 samples for AIME24/25, 4 for AMC23 and MATH-500 (``--samples name=k`` overrides);
 prompts go through the training template (``load_prompts``), generation uses the training temperature and length.
@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
+from megamu.arguments import add_engine_arguments, engine_config  # noqa: E402
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
 
 
@@ -44,14 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--reward-fn", default="megamu.reward.math:math_score", help="module:function, as in training")
     g.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per response before it scores 0")
     g.add_argument("--reward-workers", type=int, default=None)
-    e = p.add_argument_group("engine")
-    e.add_argument("--engine", choices=["local", "sglang"], default="local")
-    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="local engine only")
-    e.add_argument("--max-batch-size", type=int, default=64, help="local engine only")
-    e.add_argument("--sglang-url", action="append", default=[],
-                   help="running SGLang server or router URL (repeatable); none: start servers")
-    e.add_argument("--sglang-num-servers", type=int, default=1)
-    e.add_argument("--sglang-tp-size", type=int, default=1)
+    add_engine_arguments(p)  # the trainer's engine flags, same spelling
     p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
     p.add_argument("--overwrite", action="store_true", help="re-evaluate checkpoints that already have a report")
     args = p.parse_args(argv)
@@ -69,22 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_factory(args: argparse.Namespace):
     """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights."""
+    from megamu.rollout import build_engine
 
-    def build(hf_dir: str):
-        from megamu.rollout import make_engine
-
-        if args.engine == "local":
-            import torch
-
-            return make_engine("local", hf_dir, dtype=getattr(torch, args.dtype), max_batch_size=args.max_batch_size)
-        urls = [u for spec in args.sglang_url for u in spec.split(",") if u]
-        engine = make_engine("sglang", hf_dir, urls=urls or None, num_servers=args.sglang_num_servers,
-                             tp_size=args.sglang_tp_size)
-        if urls:  # running servers serve whatever they loaded last: give them this checkpoint first
-            engine.update_weights(hf_dir=hf_dir)
-        return engine
-
-    return build
+    cfg = engine_config(args)
+    return lambda hf_dir: build_engine(cfg, hf_dir)
 
 
 def main(argv: list[str] | None = None) -> dict:

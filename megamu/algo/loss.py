@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megamu.algo.config import AGGREGATIONS, AlgoConfig
 from megamu.algo.veto import veto_mask
-
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 
 
 @torch.no_grad()
@@ -60,20 +59,15 @@ def policy_loss(
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float | None = 0.2,
-    veto_threshold: float | None = None,
-    veto_scope: str = "sequence",
-    aggregation: str = "seq-mean-token-mean",
-    m2po_threshold: float | None = None,
+    algo: AlgoConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The negated clipped surrogate −J and its diagnostics.
 
     ρ_t = exp(logp − behaviour_logp); per token −min(ρ_t A, clip(ρ_t, 1 − clip_low, 1 + clip_high) A) (Eq. 2), with
-    A the response's advantage [B]. GRPO: clip_low = clip_high = 0.2. μ-GRPO: clip_low = 1, clip_high = 4 (range
-    [0, 5]) plus the negative-advantage veto (``veto_threshold`` τ = 1e-4, ``veto_scope``; see ``veto_mask``); under
+    A the response's advantage [B] and every setting from ``algo``. GRPO: clip_low = clip_high = 0.2. μ-GRPO:
+    clip_low = 1, clip_high = 4 (range [0, 5]) plus the negative-advantage veto (τ = 1e-4, see ``veto_mask``); under
     that range an A < 0 token with ρ ∈ (0, 5) has ∂loss/∂logπ = |A| ρ (§3.2). ``clip_high=None`` removes the upper
-    bound. ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without gradient.
+    bound; ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without gradient.
 
     Returns (loss, stats); stats are detached floats: clip_fraction (response tokens whose clipped branch is active,
     i.e. zero gradient), veto_token_fraction, veto_sequence_fraction, m2po_mask_fraction, ratio_mean,
@@ -86,16 +80,17 @@ def policy_loss(
     log_ratio = (logp.to(dtype) - behaviour_logp.to(dtype)).masked_fill(~mask, 0.0)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(dtype).view(-1, 1)
-    low = 1.0 - clip_low
-    high = float("inf") if clip_high is None else 1.0 + clip_high
+    low = 1.0 - algo.clip_low
+    high = float("inf") if algo.clip_high is None else 1.0 + algo.clip_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
 
-    keep = veto_mask(log_ratio, advantages, mask, veto_threshold, veto_scope) if veto_threshold else mask.clone()
+    keep = veto_mask(log_ratio, advantages, mask, algo.veto_threshold, algo.veto_scope) \
+        if algo.veto_threshold else mask.clone()
     after_veto = keep.clone()
-    if m2po_threshold is not None:
-        keep &= m2po_mask(log_ratio, after_veto, m2po_threshold)
+    if algo.m2po_threshold is not None:
+        keep &= m2po_mask(log_ratio, after_veto, algo.m2po_threshold)
     per_token = -surrogate * keep
-    loss = aggregate(per_token, mask, aggregation)
+    loss = aggregate(per_token, mask, algo.aggregation)
 
     with torch.no_grad():
         n_tok = int(mask.sum())

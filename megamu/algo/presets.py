@@ -2,46 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-
-from megamu.algo.loss import AGGREGATIONS
-from megamu.algo.veto import VETO_SCOPES
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    """Everything ``policy_loss`` needs to know about the update rule."""
-
-    name: str
-    clip_low: float = 0.2
-    clip_high: float | None = 0.2
-    veto_threshold: float | None = None
-    veto_scope: str = "sequence"
-    aggregation: str = "seq-mean-token-mean"
-    m2po_threshold: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low <= 1.0:
-            raise ValueError(f"--clip-low must be in [0, 1] (ratio lower bound 1 - clip_low), got {self.clip_low}")
-        if self.clip_high is not None and self.clip_high < 0:
-            raise ValueError(f"--clip-high must be >= 0, got {self.clip_high}")
-        if self.veto_threshold is not None and not 0.0 < self.veto_threshold < 1.0:
-            raise ValueError(f"--nav-threshold must be in (0, 1), got {self.veto_threshold}")
-        if self.veto_scope not in VETO_SCOPES:
-            raise ValueError(f"--nav-scope must be one of {VETO_SCOPES}, got {self.veto_scope!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"--loss-aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.m2po_threshold is not None and self.m2po_threshold <= 0:
-            raise ValueError(f"--m2po-threshold must be > 0, got {self.m2po_threshold}")
-
-    def loss_kwargs(self) -> dict:
-        d = asdict(self)
-        d.pop("name")
-        return d
-
-    def with_overrides(self, **overrides) -> AlgoConfig:
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
+from megamu.algo.config import AlgoConfig
+from megamu.errors import ConfigError
 
 ALGORITHM_PRESETS: dict[str, AlgoConfig] = {
     # μ-GRPO: relaxed clip [0, 5] + sequence-scope negative-advantage veto at τ = 1e-4 (§4, App. B).
@@ -59,5 +21,5 @@ ALGORITHM_PRESETS: dict[str, AlgoConfig] = {
 
 def algo_preset(name: str) -> AlgoConfig:
     if name not in ALGORITHM_PRESETS:
-        raise ValueError(f"--algorithm must be one of {sorted(ALGORITHM_PRESETS)}, got {name!r}")
+        raise ConfigError("name", f"must be one of {sorted(ALGORITHM_PRESETS)}, got {name!r}")
     return ALGORITHM_PRESETS[name]

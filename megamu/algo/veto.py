@@ -14,8 +14,8 @@ def veto_mask(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    threshold: float | None = 1e-4,
-    scope: str = "sequence",
+    threshold: float | None,
+    scope: str,
 ) -> torch.Tensor:
     """Return the tokens kept after the veto: bool [B, T], True = kept (always False outside ``response_mask``).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megamu.device import CPU, Device
 from megamu.model.config import ModelArch, padded_vocab_size, transformer_config
 from megamu.model.spec import finalize, layer_spec, position_embedding_kwargs
 
@@ -11,21 +12,25 @@ from megamu.model.spec import finalize, layer_spec, position_embedding_kwargs
 def build_model(
     arch: ModelArch,
     *,
-    transformer_impl: str = "local",
+    device: Device = CPU,
+    transformer_impl: str | None = None,
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     perform_initialization: bool = True,
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
-    perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models)."""
+    perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
+    ``transformer_impl`` defaults to the device's (see megamu.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call megamu.parallel.init_distributed(...) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    transformer_impl = transformer_impl or device.transformer_impl
     config = transformer_config(arch, tp=tp, params_dtype=params_dtype, bf16=bf16, transformer_impl=transformer_impl,
-                                perform_initialization=perform_initialization)
+                                perform_initialization=perform_initialization,
+                                use_cpu_initialization=not device.is_cuda)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, transformer_impl),
@@ -38,7 +43,7 @@ def build_model(
         **position_embedding_kwargs(arch, transformer_impl),
     )
     finalize(model, arch, transformer_impl)
-    if torch.cuda.is_available():  # megatron allocates its weights there already, but torch norms (local spec) not
+    if device.is_cuda:  # megatron allocates its weights there already, but torch norms (local spec) not
         model.cuda(torch.cuda.current_device())
     _mask_padded_vocab(model, arch, parallel_state.get_tensor_model_parallel_rank(), tp)
     if bf16:

@@ -123,6 +123,7 @@ def transformer_config(
     bf16: bool = False,
     transformer_impl: str = "local",
     perform_initialization: bool = True,
+    use_cpu_initialization: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -147,7 +148,7 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -1,4 +1,4 @@
-"""Layer specs: the ONE place where the CPU ("local") and GPU ("transformer_engine") models differ.
+"""Layer specs: how the CPU ("local") and GPU ("transformer_engine") models differ (the default follows the Device).
 
 local: megatron's local spec with a portable core attention that applies RoPE itself (megatron's RotaryEmbedding and
 DotProductAttention allocate on CUDA), causal, GQA, torch SDPA. transformer_engine: TE's fused layers with megatron's

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -19,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megamu.atomic import atomic_write
+from megamu.data.order import epoch_stream
 from megamu.records import RolloutSample
 
 MANIFEST = "manifest.json"
@@ -228,13 +228,7 @@ class StageDataset:
                              f"got {groups_per_update}")
         if num_updates is None:
             num_updates = self.num_groups // groups_per_update
-        stream: list[int] = []
-        epoch = 0
-        while len(stream) < num_updates * groups_per_update:
-            perm = list(range(self.num_groups))
-            random.Random(f"{seed}/{epoch}").shuffle(perm)
-            stream += perm
-            epoch += 1
+        stream = epoch_stream(self.num_groups, seed, 0, num_updates * groups_per_update)
         return [stream[u * groups_per_update : (u + 1) * groups_per_update] for u in range(num_updates)]
 
     def minibatches(self, groups_per_update: int, seed: int, start_update: int = 0, num_updates: int | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import queue
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 
 from megamu.atomic import atomic_write
 from megamu.data.prompts import PromptRecord
+from megamu.faults import crash_point
 from megamu.records import RolloutSample
 from megamu.rollout.dataset import (
     MANIFEST,
@@ -37,8 +37,6 @@ from megamu.rollout.dataset import (
 from megamu.rollout.types import Engine, GenerateRequest, SamplingParams, derive_seed
 
 PLAN = "plan.json"
-# Test hook: exit abruptly after writing this shard index (simulates a crash mid-phase).
-EXIT_AFTER_SHARD_ENV = "MEGAMU_ROLLOUT_EXIT_AFTER_SHARD"
 
 
 def _score(scorer, responses: list[str], truths: list[str]) -> list[float]:
@@ -243,9 +241,7 @@ def run_rollout_phase(
         reward_sum += sum(s.reward for s in flat)
         n_done += len(flat)
         bar.update(len(flat))
-        if os.environ.get(EXIT_AFTER_SHARD_ENV) == str(k):
-            bar.close()
-            os._exit(17)
+        crash_point("shard", k)
         dt = max(time.monotonic() - t0, 1e-9)
         bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
                         reward=f"{reward_sum / max(n_done, 1):.3f}")

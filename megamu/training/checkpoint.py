@@ -70,7 +70,7 @@ def _rng_state() -> dict:
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
-    if torch.cuda.is_available():
+    if parallel.device().is_cuda:
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     return state
 
@@ -82,7 +82,7 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     as_tensor = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
     torch.set_rng_state(as_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and parallel.device().is_cuda:
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 

@@ -1,4 +1,4 @@
-"""The optimiser: the one place where CPU and GPU training differ.
+"""The optimiser, one implementation per device (chosen by ``build_optimizer`` from the ``megamu.device.Device``).
 
 CPU: ``torch.optim.AdamW``; gradients are SUMMED over the data-parallel group (the loss of each micro-batch is already
 scaled by its share of the global minibatch, see ``megamu.training.step``), clipped by the norm of the full model, then
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
+from megamu.device import CPU, Device
+from megamu.errors import ConfigError
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduce
@@ -32,7 +34,7 @@ class OptimizerConfig:
     Weight decay skips biases and 1-D parameters (norms), as Megatron does.
     """
 
-    lr: float = 1e-6
+    lr: float  # no default of its own: the flag's default (megamu.arguments) is the one
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -42,11 +44,11 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+            raise ConfigError("lr", f"must be > 0, got {self.lr}")
         if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+            raise ConfigError("clip_grad", f"must be >= 0, got {self.clip_grad}")
         if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+            raise ConfigError("lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
 
     def lr_at(self, update: int) -> float:
         if self.lr_warmup_iters and update < self.lr_warmup_iters:
@@ -58,9 +60,10 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> TorchAdamW | MegatronDistributedAdam:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, device: Device = CPU
+                    ) -> TorchAdamW | MegatronDistributedAdam:
     """CPU -> TorchAdamW; CUDA -> megatron DDP + DistributedOptimizer (wraps ``model`` for gradient buffers)."""
-    if next(model.parameters()).is_cuda:
+    if device.is_cuda:
         return MegatronDistributedAdam(model, cfg)
     return TorchAdamW(model, cfg)
 
@@ -153,7 +156,7 @@ class TorchAdamW:
 
 
 class MegatronDistributedAdam:
-    """GPU path: megatron-core DDP + DistributedOptimizer. Untested here (no GPU in CI); kept to the documented API.
+    """GPU path: megatron-core DDP + DistributedOptimizer. Tested by tests/gpu (skipped without CUDA, so not in CI).
 
     The model's weights are the truth until the first update: callers load HF or checkpoint weights AFTER building
     the optimiser, while megatron copies its fp32 main weights (bf16 models) at construction. They are re-copied from

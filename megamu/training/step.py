@@ -111,7 +111,7 @@ def train_step(
     for mb in micro_batches:
         batch = pack(mb).to(device)
         logp, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=True)
-        loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, **algo.loss_kwargs())
+        loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, algo)
         mb_tok = st["n_tokens"]
         weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
         (loss * weight).backward()

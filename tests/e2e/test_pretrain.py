@@ -99,7 +99,7 @@ def test_uninterrupted_run_writes_everything(reference):
 @pytest.mark.parametrize(
     "crash_env",
     [
-        {"MEGAMU_ROLLOUT_EXIT_AFTER_SHARD": "1"},  # mid-rollout (stage 0 has 4 shards)
+        {"MEGAMU_CRASH_AFTER": "shard:1"},  # mid-rollout (stage 0 has 4 shards)
         {"MEGAMU_CRASH_AFTER": "update:3"},  # mid-optimisation: last checkpoint at update 2
         {"MEGAMU_CRASH_AFTER": "stage:0"},  # between stages
     ],
@@ -196,10 +196,10 @@ def test_missing_prompt_file_is_a_clear_error(tiny, tmp_path):
 
 
 def test_stage_prompts_cover_each_epoch_once():
-    from megamu.trainer import stage_prompt_indices
+    from megamu.data.order import epoch_stream
 
     n, per_stage = 10, 4  # 2.5 stages per epoch: stage 2 straddles epochs 0 and 1
-    stream = [i for k in range(5) for i in stage_prompt_indices(n, per_stage, k, seed=3)]
+    stream = [i for k in range(5) for i in epoch_stream(n, 3, k * per_stage, per_stage)]
     assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n : 2 * n]) == list(range(n))
     assert stream[:n] != stream[n : 2 * n]  # reshuffled each epoch
-    assert stage_prompt_indices(n, per_stage, 3, seed=3) == stream[12:16]  # a stage is a pure function of its index
+    assert epoch_stream(n, 3, 3 * per_stage, per_stage) == stream[12:16]  # a stage is a pure function of its index

@@ -11,6 +11,7 @@ import torch
 
 from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
+from megamu.device import Device
 from megamu.model import ModelArch, build_model, forward_logprobs, unwrap
 from megamu.tiny import save_tiny_model
 from megamu.training import (
@@ -32,9 +33,12 @@ pytestmark = [
 ]
 
 
+CUDA = Device("cuda")
+
+
 def te_model(hf, *, bf16: bool):
     arch = ModelArch.from_hf(hf)
-    model = build_model(arch, transformer_impl="transformer_engine", bf16=bf16)
+    model = build_model(arch, device=CUDA, transformer_impl="transformer_engine", bf16=bf16)
     load_hf_into_model(model, arch, hf)
     return model.cuda(), arch
 
@@ -56,7 +60,7 @@ def test_te_spec_logprobs_match_transformers(distributed, tmp_path, family):
 def test_bf16_distributed_optimizer_learns(distributed, tmp_path):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=2)
     model, arch = te_model(hf, bf16=True)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, clip_grad=1.0), CUDA)
     samples = make_samples(4, 4, arch.vocab_size, seed=3)
     set_behaviour(samples, compute_logprobs(model, samples, micro_batch_size=8), noise=0.0)
     algo = ALGORITHM_PRESETS["mu-grpo"]
@@ -76,8 +80,8 @@ def test_weights_loaded_after_building_the_optimizer_survive_the_first_update(di
     # trainer.Run's order: the bf16 optimiser copies its fp32 main weights at construction, before the load
     hf = save_tiny_model(tmp_path / "hf", "llama", seed=4)
     arch = ModelArch.from_hf(hf)
-    model = build_model(arch, transformer_impl="transformer_engine", bf16=True)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-6, clip_grad=1.0))
+    model = build_model(arch, device=CUDA, transformer_impl="transformer_engine", bf16=True)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-6, clip_grad=1.0), CUDA)
     load_hf_into_model(model, arch, hf)
     loaded = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     train_step(model, opt, _anchored_samples(model, arch, seed=5), ALGORITHM_PRESETS["mu-grpo"], micro_batch_size=8)
@@ -90,7 +94,7 @@ def test_weight_decay_skips_biases_and_1d_parameters(distributed, tmp_path):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=6)  # q/k/v biases
     model, arch = te_model(hf, bf16=False)
     lr, wd = 1e-2, 0.5
-    opt = build_optimizer(model, OptimizerConfig(lr=lr, weight_decay=wd, clip_grad=0.0))
+    opt = build_optimizer(model, OptimizerConfig(lr=lr, weight_decay=wd, clip_grad=0.0), CUDA)
     samples = _anchored_samples(model, arch, seed=7)
     for s in samples:
         s.advantage = 0.0  # zero loss and gradient: Adam's update is 0, only AdamW's decoupled decay moves weights
@@ -105,7 +109,7 @@ def test_weight_decay_skips_biases_and_1d_parameters(distributed, tmp_path):
 def test_non_finite_gradients_stop_the_run_without_stepping(distributed, tmp_path):
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=8)
     model, arch = te_model(hf, bf16=True)
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3), CUDA)
     samples = _anchored_samples(model, arch, seed=9)
     norm = next(p for n, p in model.named_parameters() if n.endswith("final_layernorm.weight"))
     with torch.no_grad():
@@ -130,7 +134,7 @@ def test_checkpoint_restores_moments_and_fp32_main_weights(distributed, tmp_path
     # the fp32 main weights carry what bf16 rounds away: restoring them from the bf16 model would lose updates
     assert any(not torch.equal(saved[n]["main_param"], p.detach().float()) for n, p in unwrap(model).named_parameters())
 
-    fresh = build_model(arch, transformer_impl="transformer_engine", bf16=True)
+    fresh = build_model(arch, device=CUDA, transformer_impl="transformer_engine", bf16=True)
     fresh_opt = build_optimizer(fresh, cfg)
     assert load_checkpoint(tmp_path / "save", fresh, arch, fresh_opt)["iteration"] == 2
     for n, p in unwrap(fresh).named_parameters():

@@ -9,9 +9,10 @@ import torch
 
 from megamu.data import load_prompts
 from megamu.data.arithmetic import addition_problems
+from megamu.faults import CRASH_ENV
 from megamu.rollout.dataset import MANIFEST, StageDataset, StageDatasetError
 from megamu.rollout.local import LocalEngine
-from megamu.rollout.phase import EXIT_AFTER_SHARD_ENV, generate_groups, run_rollout_phase
+from megamu.rollout.phase import generate_groups, run_rollout_phase
 from megamu.rollout.types import SamplingParams
 from megamu.tiny import build_char_tokenizer
 
@@ -72,7 +73,7 @@ def test_generate_groups_rewards_and_advantages(tiny_llama):
 def test_killed_phase_resumes_to_the_uninterrupted_result(tiny_llama, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "tests.rollout.workers.rollout_phase", tiny_llama]
-    killed = subprocess.run(cmd + [str(tmp_path / "resumed")], env=dict(env, **{EXIT_AFTER_SHARD_ENV: "1"}),
+    killed = subprocess.run(cmd + [str(tmp_path / "resumed")], env=dict(env, **{CRASH_ENV: "shard:1"}),
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert killed.returncode == 17, killed.stderr[-2000:]
     written = sorted(p.name for p in (tmp_path / "resumed").iterdir())

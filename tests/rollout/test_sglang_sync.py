@@ -104,8 +104,8 @@ def test_layout_checks_name_the_first_mismatch(tiny_llama, tmp_path):
 
 def test_probe_comparison():
     probe = LogprobProbe([1, 2, 3], [-1.0, -2.0], tolerance=1e-3)
-    assert compare_probe(probe, [-1.0005, -2.0], "s") == pytest.approx(5e-4)
-    with pytest.raises(WeightMismatch, match=r"probe token 2 is -2.010000, the trainer's -2.000000"):
+    assert compare_probe(probe, [-1.0015, -2.0], "s") == pytest.approx(7.5e-4)  # the mean |difference|
+    with pytest.raises(WeightMismatch, match=r"by 0.005 on average .*probe token 2, -2.010000 vs -2.000000"):
         compare_probe(probe, [-1.0, -2.01], "s")
     with pytest.raises(WeightMismatch, match="probe token 1"):
         compare_probe(probe, [float("nan"), -2.0], "s")

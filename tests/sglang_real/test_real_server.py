@@ -164,7 +164,7 @@ def test_disk_sync_checks_layout_sets_version_and_probes(served, tmp_path):
     report = engine.update_weights(hf_dir=other, version=3, probe=_probe(other, served))
     served.model_dir = other
     assert (report.mode, report.version, engine.weight_version) == ("disk", "3", "3")
-    assert report.probe_max_abs_diff <= ATOL
+    assert report.probe_mean_abs_diff <= ATOL
     sp = SamplingParams(temperature=1.0, max_new_tokens=6, n=2)
     for s in engine.generate([GenerateRequest(0, [5, 6, 7], sp)]):
         assert s.weight_version == "3"
@@ -199,7 +199,7 @@ def test_memory_sync_matches_the_new_weights(served, tmp_path):
     engine.config.weight_bucket_mb = 0.02  # several buckets for a 0.1 MB model
     report = engine.update_weights(state_dict=state, version=7, probe=_probe(new_dir, served))
     served.model_dir = new_dir
-    assert (report.mode, report.version) == ("memory", "7") and report.probe_max_abs_diff <= ATOL
+    assert (report.mode, report.version) == ("memory", "7") and report.probe_mean_abs_diff <= ATOL
     assert report.bytes == sum(t.numel() * t.element_size() for t in state.values())
     out = engine.generate([GenerateRequest(1, [8, 9, 10], SamplingParams(temperature=1.0, max_new_tokens=8, n=2))])
     for s in out:
@@ -227,3 +227,20 @@ def test_two_stage_run_against_the_server(served, tmp_path):
     for stage in (0, 1):
         manifest = json.loads((save / "rollouts" / f"stage_{stage}" / "manifest.json").read_text())
         assert manifest["engine"] == "sglang"
+
+
+def test_colocated_grpo_run_syncs_in_memory(served, tmp_path):
+    """--rollout-mode colocated with SGLang: after the first stage the weights go over in memory (no per-refresh
+    export), each refresh is probed against the trainer's own log-probs, and the stage starts at ratio 1."""
+    from tests.e2e.test_pretrain import MU, flags, launch, records
+
+    save = tmp_path / "run"
+    launch(flags(served.model_dir_base, save, "--rollout-engine", "sglang", "--sglang-url", served.engine.urls[0],
+                 "--rollout-mode", "colocated"), env={"SGLANG_API_KEY": API_KEY})
+    updates = records(save, "update")
+    for first in (updates[0], updates[MU]):
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    syncs = records(save, "sync")
+    assert [(s["stage"], s["mode"], s["weight_version"]) for s in syncs] == [(1, "memory", str(MU))]
+    assert syncs[0]["probe_mean_abs_diff"] <= 1e-3 and syncs[0]["bytes"] > 0
+    assert (save / "hf" / "stage_0").is_dir() and not (save / "hf" / "stage_1").exists()

@@ -219,7 +219,7 @@ def test_run_mode_picks_best_checkpoint_and_resumes(tmp_path, scorer, tiny_dir):
 
 @needs_data
 def test_sglang_engine_path_loads_each_checkpoint(tmp_path, scorer, tiny_dir, monkeypatch):
-    """--engine sglang --sglang-url: the real HTTP client against a server speaking SGLang's schema."""
+    """--rollout-engine sglang --sglang-url: the real HTTP client against a server speaking SGLang's schema."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -242,7 +242,7 @@ def test_sglang_engine_path_loads_each_checkpoint(tmp_path, scorer, tiny_dir, mo
     monkeypatch.setenv("SGLANG_API_KEY", "secret")
     try:
         args = tool.parse_args(["--run", str(run), "--data", f"amc23={DATA / 'amc23.jsonl'}", "--samples", "amc23=2",
-                                "--limit", "2", "--engine", "sglang", "--sglang-url", server.url,
+                                "--limit", "2", "--rollout-engine", "sglang", "--sglang-url", server.url,
                                 "--max-prompt-length", str(LONG)])
         settings = EvalSettings(limit=2, max_prompt_length=LONG)
         summary = evaluate_checkpoints(run_checkpoints(run), tool.engine_factory(args), AutoTokenizer.from_pretrained,

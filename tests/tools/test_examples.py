@@ -42,8 +42,7 @@ def _dry_run_in_process(argv: list[str], world: str, monkeypatch, capsys):
     pretrain_mu_grpo.main(argv[1:])
     plan_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert plan_line.startswith("plan: "), plan_line
-    args, algo, _ = parse_args(argv[1:])
-    return json.loads(plan_line[len("plan: "):]), args, algo
+    return json.loads(plan_line[len("plan: "):]), parse_args(argv[1:])
 
 
 @pytest.mark.parametrize(("model", "method"), SCRIPTS, ids=[f"{m}/{k}" for m, k in SCRIPTS])
@@ -51,7 +50,8 @@ def test_example_dry_run_matches_paper(model, method, tmp_path, monkeypatch, cap
     script = EXAMPLES / model / f"run_{method}.sh"
     env, argv = _launch_argv(script, tmp_path, DRY_RUN="1")
     assert env == {"WORLD_SIZE": "4", "cwd": str(REPO)}  # 4xH200, run from the repo root
-    plan, args, algo = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
+    plan, cfg = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
+    opt, rollout, algo = cfg.policy.optimizer, cfg.rollout, cfg.algo
 
     # Same rollout-sample budget for every method: 4096 updates x 32 prompt groups x 8 samples.
     assert (plan["total_updates"], plan["prompts_per_update"], plan["n_samples_per_prompt"]) == (4096, 32, 8)
@@ -67,12 +67,12 @@ def test_example_dry_run_matches_paper(model, method, tmp_path, monkeypatch, cap
     assert plan["algorithm"] == expected_algo
 
     # App. B optimiser and sampling settings.
-    assert (args.lr, args.lr_warmup_iters, args.weight_decay, args.adam_beta1, args.adam_beta2) == (
+    assert (opt.lr, opt.lr_warmup_iters, opt.weight_decay, opt.adam_beta1, opt.adam_beta2) == (
         1e-6, 0, 0.01, 0.9, 0.999)
-    assert (args.rollout_temperature, args.rollout_top_p) == (1.0, 1.0)
-    assert args.max_prompt_length + args.rollout_max_response_len == MODELS[model]
-    assert args.bf16 and args.rollout_engine == "sglang" and args.behaviour_logprobs == "engine"
-    assert args.tensor_model_parallel_size in (1, 2, 4) and 4 % args.tensor_model_parallel_size == 0
+    assert (rollout.temperature, rollout.top_p) == (1.0, 1.0)
+    assert cfg.prompts.max_prompt_length + rollout.max_new_tokens == MODELS[model]
+    assert cfg.policy.bf16 and rollout.engine.kind == "sglang" and not cfg.recompute_behaviour_logprobs
+    assert cfg.tensor_model_parallel_size in (1, 2, 4) and 4 % cfg.tensor_model_parallel_size == 0
     if method == "mu_grpo":  # relaxed clip [0, 5] and sequence-scope veto at τ = 1e-4
         assert (1 - algo.clip_low, 1 + algo.clip_high) == (0.0, 5.0)
         assert (algo.veto_threshold, algo.veto_scope) == (1e-4, "sequence")

@@ -67,7 +67,18 @@ def reference_loss(model, samples: list[RolloutSample], algo: AlgoConfig, temper
         beh[i, p - 1 : p - 1 + r] = torch.tensor(s.behaviour_logprobs)
     logp, _ = forward_logprobs(model, ids, temperature=temperature)
     adv = torch.tensor([s.advantage for s in samples])
-    return policy_loss(logp, beh, adv, mask, **algo.loss_kwargs())
+    return policy_loss(logp, beh, adv, mask, algo)
+
+
+def fp64_model_rtol(arch) -> float:
+    """Bound on the relative difference between two fp64-model computations that differ only in reduction order
+    (another micro-batch split, another DP layout). Everything runs in fp64 except megatron's vocab-parallel cross
+    entropy, which casts logits to fp32: each log-prob (forward) and its logit gradient (backward) come from fp32 sums
+    over the padded vocabulary (tests/numerics.py). A wrong loss scale or a missing reduction is ~1e-2 or more."""
+    from megamu.model import padded_vocab_size
+    from tests.numerics import reorder_rtol
+
+    return reorder_rtol(torch.float32, padded_vocab_size(arch.vocab_size, 1), depth=2)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -93,7 +104,7 @@ def capture_optimizer(model):
             self.grads = {n: p.grad.detach().clone() for n, p in self.named_params}
             return 0.0, 0.0
 
-    return GradCapture(model, OptimizerConfig())
+    return GradCapture(model, OptimizerConfig(lr=1.0))
 
 
 def add_triggers(samples: list[RolloutSample], logprobs: list[list[float]], n_veto: int, n_clip: int) -> None:

@@ -42,10 +42,10 @@ def test_step_clips_by_global_norm_warms_up_and_skips_decay_on_1d(distributed):
     assert opt.state_dict() == {"iteration": 5}
 
 
-def test_config_rejects_bad_flags():
-    with pytest.raises(ValueError, match="--lr"):
+def test_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="lr"):
         OptimizerConfig(lr=0)
-    with pytest.raises(ValueError, match="--clip-grad"):
-        OptimizerConfig(clip_grad=-1)
+    with pytest.raises(ValueError, match="clip_grad"):
+        OptimizerConfig(lr=1.0, clip_grad=-1)
     assert OptimizerConfig(lr=1.0, lr_warmup_iters=0).lr_at(0) == 1.0
     assert math.isclose(OptimizerConfig(lr=1.0, lr_warmup_iters=2).lr_at(0), 0.5)

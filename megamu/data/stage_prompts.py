@@ -1,0 +1,64 @@
+"""The run's prompts: loading (files or the demo's built-in task), the held-out split, each stage's B_train prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megamu import parallel
+from megamu.atomic import atomic_write_text
+from megamu.data.arithmetic import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems
+from megamu.data.order import epoch_stream
+from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
+
+
+@dataclass(frozen=True)
+class PromptsConfig:
+    """``files`` empty: the demo's built-in task, ``builtin_rows`` seeded two-digit additions written to
+    ``data_dir/addition.jsonl`` (so the data a run trained on can be inspected later)."""
+
+    files: tuple[str, ...]
+    prompts_per_stage: int
+    held_out: int  # prompts kept out of training for the greedy evaluation (at most half the data)
+    seed: int
+    data_dir: Path
+    builtin_rows: int = 0
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    max_prompt_length: int = 1024
+    skip_bad_rows: bool = False
+
+
+class Prompts:
+    def __init__(self, cfg: PromptsConfig, tokenizer):
+        self.cfg = cfg
+        files, instruction, few_shot = list(cfg.files), DEFAULT_INSTRUCTION, ()
+        if not files:
+            files, instruction, few_shot = [str(self._write_builtin())], DEMO_INSTRUCTION, DEMO_FEW_SHOT
+        prompts = load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                               max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
+                               instruction=instruction, few_shot=few_shot)
+        order = list(range(len(prompts)))
+        random.Random(cfg.seed).shuffle(order)
+        n_held_out = min(cfg.held_out, len(prompts) // 2)
+        self.held_out: list[PromptRecord] = [prompts[i] for i in order[:n_held_out]]
+        self.train: list[PromptRecord] = [prompts[i] for i in order[n_held_out:]]
+        if not self.train:
+            raise PromptDataError(f"no training prompts left in {files} after holding out {n_held_out}")
+
+    def _write_builtin(self) -> Path:
+        path = self.cfg.data_dir / "addition.jsonl"
+        if parallel.is_main_rank() and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            rows = addition_problems(self.cfg.builtin_rows, seed=self.cfg.seed)
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        parallel.barrier()
+        return path
+
+    def for_stage(self, stage: int) -> list[PromptRecord]:
+        """B_train prompts of ``stage`` (prompt ids 0..B_train-1): consecutive slices of the epoch stream."""
+        per = self.cfg.prompts_per_stage
+        picked = epoch_stream(len(self.train), self.cfg.seed, stage * per, per)
+        return [replace(self.train[i], prompt_id=j) for j, i in enumerate(picked)]

@@ -1,0 +1,55 @@
+"""CPU or CUDA: the one decision every device difference follows.
+
+Made once at start-up (``megamu.arguments`` for the trainer, each tool's ``main``) and passed down to the parts that
+differ: the process-group backend (``megamu.parallel``), the layer implementation and weight placement
+(``megamu.model.build``), the optimiser (``megamu.training.optimizer``) and the memory hand-off around rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str  # "cpu" | "cuda"
+
+    def __post_init__(self) -> None:
+        if self.type not in ("cpu", "cuda"):
+            raise ValueError(f"device type must be 'cpu' or 'cuda', got {self.type!r}")
+
+    @staticmethod
+    def detect() -> Device:
+        return Device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.type == "cuda"
+
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend of the default process group."""
+        return "nccl" if self.is_cuda else "gloo"
+
+    @property
+    def transformer_impl(self) -> str:
+        """Default layer implementation: Transformer Engine kernels on GPU, megatron's local spec on CPU."""
+        return "transformer_engine" if self.is_cuda else "local"
+
+    def bind(self, local_rank: int) -> None:
+        """Pin this process to its GPU (before any CUDA allocation); nothing on CPU."""
+        if self.is_cuda:
+            torch.cuda.set_device(local_rank)
+
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
+
+    def release_cache(self) -> None:
+        """Return the caching allocator's free blocks to the driver, so another process (the engine) can use them."""
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
+
+CPU = Device("cpu")

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
                 prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
                 max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode)
-    engine = engine_config(args)
+    engine = replace(engine_config(args), sync_backend=device.backend)
     policy = PolicyConfig(
         hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
         load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,

@@ -26,6 +26,7 @@ class EngineConfig:
     sglang_python: str | None = None  # the Python that runs launched servers (None: this one), e.g. a CPU build's venv
     sglang_env: tuple[tuple[str, str], ...] = ()  # added to launched servers' environment
     weight_sync: str = "disk"  # how a colocated SGLang engine is refreshed: "disk" (HF export) or "memory"
+    sync_backend: str = "gloo"  # process group of in-memory pushes: the trainer device's (nccl on GPU, gloo on CPU)
 
 
 def make_engine(kind: str, hf_dir, **kwargs) -> Engine:
@@ -52,7 +53,7 @@ def build_engine(cfg: EngineConfig, hf_dir) -> Engine:
     engine = make_engine(cfg.kind, str(hf_dir), urls=urls, num_servers=cfg.sglang_num_servers,
                          tp_size=cfg.sglang_tp_size, extra_server_args=list(cfg.sglang_server_args), dtype=cfg.dtype,
                          server_python=cfg.sglang_python, server_env=dict(cfg.sglang_env),
-                         weight_sync=cfg.weight_sync)
+                         weight_sync=cfg.weight_sync, sync_backend=cfg.sync_backend)
     if urls:
         engine.update_weights(hf_dir=str(hf_dir))
     return engine

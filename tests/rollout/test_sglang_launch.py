@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from megamu.rollout.sglang import SGLangEngine
 from megamu.rollout.sglang_server import SGLangConfig
 from megamu.rollout.types import GenerateRequest, SamplingParams
@@ -55,3 +57,24 @@ def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llam
     # one key for all nodes, so the dispatcher is accepted everywhere
     assert [s["argv"][s["argv"].index("--api-key") + 1] for s in servers] == [seen["api_key"]] * 2
     assert not any(pid_alive(s["pid"]) for s in servers)
+
+
+def test_engine_flags(tmp_path):
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+
+    base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
+    cfg = parse_args(base + ["--rollout-mode", "colocated", "--sglang-python", "/v/bin/python", "--sglang-env",
+                             "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"], device=Device("cpu"))
+    e = cfg.rollout.engine
+    assert (e.weight_sync, e.dtype, e.sync_backend, e.sglang_python) == ("memory", "float32", "gloo", "/v/bin/python")
+    assert e.sglang_env == (("SGLANG_USE_CPU_ENGINE", "1"), ("PYTHONPATH", "/x/stubs"))
+    assert cfg.policy.export_dtype == "float32"
+    staged = parse_args(base, device=Device("cuda")).rollout.engine
+    assert (staged.weight_sync, staged.sync_backend) == ("disk", "nccl")
+    bf16 = parse_args(base + ["--bf16"], device=Device("cuda"))
+    assert bf16.rollout.engine.dtype == bf16.policy.export_dtype == "bfloat16"  # servers run what is exported
+    for bad, message in ((["--weight-sync", "memory"], "--weight-sync.*colocated"),
+                         (["--sglang-env", "NOEQUALS"], "--sglang-env.*NAME=VALUE")):
+        with pytest.raises(SystemExit, match=message):
+            parse_args(base + bad, device=Device("cpu"))

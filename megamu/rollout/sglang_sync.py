@@ -208,21 +208,24 @@ class WeightGroup:
         engine, sent = self.engine, 0
         groups = buckets(state_dict, int(engine.config.weight_bucket_mb * 2**20))
         engine._post_all("/begin_weight_update", {}, "begin weight update")
-        for k, names in enumerate(groups):
-            last = k == len(groups) - 1
-            body = dict(names=names, dtypes=[str(state_dict[n].dtype).removeprefix("torch.") for n in names],
-                        shapes=[list(state_dict[n].shape) for n in names], group_name=self.group_name,
-                        load_format="flattened_bucket", flush_cache=last, weight_version=version if last else None)
-            futures = [engine._pool.submit(engine._post_with_retries, [u], "/update_weights_from_distributed", body,
-                                           f"in-memory weight update on {u}") for u in engine.urls]
-            flat = flatten([state_dict[n] for n in names])
-            broadcast(self.pg, flat)
-            for url, f in zip(engine.urls, futures):
-                out = f.result()
-                if isinstance(out, dict) and out.get("success") is False:
-                    raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
-            sent += flat.numel()
-        engine._post_all("/end_weight_update", {}, "end weight update")
+        try:
+            for k, names in enumerate(groups):
+                last = k == len(groups) - 1
+                body = dict(names=names, dtypes=[str(state_dict[n].dtype).removeprefix("torch.") for n in names],
+                            shapes=[list(state_dict[n].shape) for n in names], group_name=self.group_name,
+                            load_format="flattened_bucket", flush_cache=last,
+                            weight_version=version if last else None)
+                futures = [engine._pool.submit(engine._post_with_retries, [u], "/update_weights_from_distributed",
+                                               body, f"in-memory weight update on {u}") for u in engine.urls]
+                flat = flatten([state_dict[n] for n in names])
+                broadcast(self.pg, flat)
+                for url, f in zip(engine.urls, futures):
+                    out = f.result()
+                    if isinstance(out, dict) and out.get("success") is False:
+                        raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
+                sent += flat.numel()
+        finally:  # close the session even after a failed bucket (see sync_weights for what that leaves)
+            engine._post_all("/end_weight_update", {}, "end weight update")
         return sent
 
     def close(self) -> None:
@@ -263,9 +266,15 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
             raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
         new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
         check_layout(new, running, engine.server_dtype, "in-memory weights")
-        if engine._sync is None:
-            engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}")
-        sent, mode = engine._sync.send(state_dict, version), "memory"
+        try:
+            if engine._sync is None:
+                engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}")
+            sent, mode = engine._sync.send(state_dict, version), "memory"
+        except BaseException:
+            # The servers may hold part of the new weights under the old version: expect a version no server
+            # reports, so every sample generated before a successful sync is refused.
+            engine.weight_version = f"{version} (incomplete sync)"
+            raise
     try:
         infos = [engine._call(u, "/model_info", None, timeout=60.0) or {} for u in engine.urls]
     except RuntimeError as e:  # a router may not forward /model_info; the samples' versions are still checked

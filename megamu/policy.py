@@ -95,7 +95,10 @@ class Policy:
     def export(self, name: str) -> Path:
         """The weights as an HF folder <save_dir>/hf/<name> (atomic; a finished folder of the same name is reused)."""
         out = Path(self.cfg.save_dir) / "hf" / name
-        if not (out / "config.json").exists():
+        exists = (out / "config.json").exists()
+        parallel.barrier()  # every rank has looked before rank 0 writes: all take the same branch (export_hf's
+        # collectives and barrier), whichever rank the scheduler delays
+        if not exists:
             export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source,
                       dtype={"float32": "fp32", "bfloat16": "bf16"}[self.cfg.export_dtype])
         parallel.barrier()

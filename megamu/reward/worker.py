@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from megamu.reward.pool import READY, load_reward_fn
+from megamu.reward.pool import READY, bind_reward_fn
 
 
-def _worker_main(recv_fd: int, send_fd: int, spec: str) -> None:
+def _worker_main(recv_fd: int, send_fd: int, spec: str, fn_kwargs: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
     inbox, conn = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
     try:
-        fn = load_reward_fn(spec)
+        fn = bind_reward_fn(spec, fn_kwargs)
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
         return
@@ -39,4 +40,4 @@ def _worker_main(recv_fd: int, send_fd: int, spec: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))

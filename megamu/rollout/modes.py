@@ -17,6 +17,7 @@ from pathlib import Path
 from megamu import parallel
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.metrics import MetricsLogger
+from megamu.reward.config import RewardConfig
 from megamu.rollout import Engine, EngineConfig, build_engine
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.phase import generate_groups, run_rollout_phase
@@ -38,7 +39,7 @@ class RolloutConfig:
     max_new_tokens: int = 64
     groups_per_shard: int = 16
     shards_per_call: int = 1
-    reward_fn: str | None = None  # module:function; None: math-verify
+    reward: RewardConfig = RewardConfig()  # math-verify unless --reward code or --reward-fn
 
 
 class Rollout:
@@ -112,9 +113,9 @@ class Rollout:
 
     def _scorer(self):
         if self.scorer is None:
-            from megamu.reward.pool import RewardScorer
+            from megamu.reward import make_scorer
 
-            self.scorer = RewardScorer(self.cfg.reward_fn) if self.cfg.reward_fn else RewardScorer()
+            self.scorer = make_scorer(self.cfg.reward)
         return self.scorer
 
     def _evaluate(self, engine: Engine, *, stage: int, label: str) -> float:

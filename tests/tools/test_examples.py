@@ -17,6 +17,8 @@ MODELS = {"qwen2.5-math-7b": 4096, "deepseek-r1-distill-qwen-7b": 8192, "llama-3
           "qwen3-1.7b-base": 8192, "qwen3-8b-base": 8192}
 METHODS = ["mu_grpo", "grpo", "grpo_high_staleness", "m2po"]
 SCRIPTS = [(m, k) for m in MODELS for k in METHODS]
+# The coding experiment (§5.1): μ-GRPO against GRPO only.
+CODE_MODEL, CODE_METHODS = "qwen2.5-coder-7b", ["mu_grpo", "grpo"]
 
 
 def _launch_argv(script: Path, tmp_path: Path, *extra: str, **env) -> tuple[dict, list[str]]:
@@ -123,11 +125,27 @@ def test_cpu_demo_is_the_embedded_default(tmp_path):
     assert plan["algorithm"] == "mu-grpo" and plan["num_stages"] >= 2  # the issue: at least 2 stages of μ-GRPO
 
 
+@pytest.mark.parametrize("method", CODE_METHODS)
+def test_code_example_dry_run_matches_paper(method, tmp_path, monkeypatch, capsys):
+    """§5.1 / App. B.2: Qwen2.5-Coder-7B on code_contests, the main setup with B_mini = 16, 8k context, 4096 updates."""
+    env, argv = _launch_argv(EXAMPLES / CODE_MODEL / f"run_{method}.sh", tmp_path, DRY_RUN="1")
+    assert env == {"WORLD_SIZE": "4", "cwd": str(REPO)}
+    plan, cfg = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
+    assert (plan["total_updates"], plan["prompts_per_update"], plan["n_samples_per_prompt"]) == (4096, 16, 8)
+    assert (plan["num_stages"], plan["mu"]) == ((4, 1024) if method == "mu_grpo" else (1024, 4))
+    assert cfg.prompts.max_prompt_length + cfg.rollout.max_new_tokens == 8192
+    assert (cfg.rollout.reward.kind, cfg.rollout.reward.code_mode, cfg.prompts.answer_key) == ("code", "all", "tests")
+    assert cfg.prompts.files[0].endswith("code_contests.jsonl") and cfg.policy.optimizer.lr == 1e-6
+    assert cfg.algo.name == {"mu_grpo": "mu-grpo", "grpo": "grpo"}[method]
+
+
 def test_every_paper_model_has_all_scripts():
     folders = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
-    assert folders == sorted([*MODELS, "cpu_demo"])
+    assert folders == sorted([*MODELS, CODE_MODEL, "cpu_demo"])
+    for method in CODE_METHODS:
+        assert os.access(EXAMPLES / CODE_MODEL / f"run_{method}.sh", os.X_OK)
     for model in MODELS:
         for method in METHODS:
             assert os.access(EXAMPLES / model / f"run_{method}.sh", os.X_OK)
     readme = (EXAMPLES / "README.md").read_text()
-    assert all(m in readme for m in MODELS) and "H200" in readme
+    assert all(m in readme for m in [*MODELS, CODE_MODEL]) and "H200" in readme

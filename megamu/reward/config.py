@@ -1,0 +1,56 @@
+"""Which reward a run uses, decided once: ``make_scorer(RewardConfig)`` builds the worker pool for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megamu.errors import ConfigError
+from megamu.reward.code import CODE_MODES
+from megamu.reward.pool import DEFAULT_REWARD_FN, RewardScorer
+
+REWARD_KINDS = ("math", "code")
+CODE_REWARD_FN = "megamu.reward.code:code_score"
+MATH_ITEM_TIMEOUT_S = 5.0
+CODE_ITEM_SLACK_S = 60.0  # a code item may run many cases; the pool kills it only this long past one case's limit
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    kind: str = "math"  # --reward
+    reward_fn: str | None = None  # --reward-fn module:function, overrides kind
+    code_mode: str = "all"  # --code-reward-mode: all tests pass -> 1, or the fraction passed
+    sandbox_url: str | None = None  # --code-sandbox-url: run programs on a remote sandbox service
+    timeout_s: float = 10.0  # --code-timeout: wall-clock (and CPU) limit of one program execution
+    num_workers: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in REWARD_KINDS:
+            raise ConfigError("kind", f"must be one of {REWARD_KINDS}, got {self.kind!r}")
+        if self.code_mode not in CODE_MODES:
+            raise ConfigError("code_mode", f"must be one of {CODE_MODES}, got {self.code_mode!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+
+    @property
+    def item_timeout_s(self) -> float:
+        """The pool's per-item limit: a math item must finish in 5 s; a code item gets time for many cases."""
+        if self.reward_fn or self.kind == "math":
+            return MATH_ITEM_TIMEOUT_S
+        return CODE_ITEM_SLACK_S + 2 * self.timeout_s
+
+    def spec_and_kwargs(self) -> tuple[str, dict]:
+        if self.reward_fn:
+            return self.reward_fn, {}
+        if self.kind == "math":
+            return DEFAULT_REWARD_FN, {}
+        # Stop starting new cases early enough that the case in flight still ends before the pool's limit.
+        kwargs = {"timeout_s": self.timeout_s, "mode": self.code_mode, "budget_s": CODE_ITEM_SLACK_S - 5.0}
+        if self.sandbox_url:
+            kwargs["sandbox_url"] = self.sandbox_url
+        return CODE_REWARD_FN, kwargs
+
+
+def make_scorer(cfg: RewardConfig) -> RewardScorer:
+    """The reward pool for ``cfg`` (``--reward-fn`` wins over ``--reward``)."""
+    spec, kwargs = cfg.spec_and_kwargs()
+    return RewardScorer(spec, timeout_s=cfg.item_timeout_s, num_workers=cfg.num_workers, fn_kwargs=kwargs)

@@ -5,7 +5,13 @@ PY := $(VENV)/bin/python
 # Re-install when the package metadata changes; the stamp makes a second run reuse .venv untouched.
 STAMP := $(VENV)/.megamu-installed
 
-.PHONY: demo test lint install clean gpu-wheels
+# The real-server tier (optional; not part of `make test`): the CPU build of SGLang 0.5.23 in its own venv, built
+# once by shared/sglang-cpu/setup.sh (5-15 min) and reused; the stamp is written only after the build succeeded.
+SGLANG_CPU ?= $(firstword $(wildcard ../shared/sglang-cpu ../../shared/sglang-cpu))
+SGLANG_VENV ?= $(HOME)/.cache/megamu/sglang-cpu-venv
+SGLANG_STAMP := $(SGLANG_VENV)/.megamu-ready
+
+.PHONY: demo test test-sglang lint install clean gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +33,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
+
+$(SGLANG_STAMP):
+	@test -n "$(SGLANG_CPU)" || { echo "shared/sglang-cpu not found: set SGLANG_CPU=/path/to/sglang-cpu"; exit 1; }
+	bash $(SGLANG_CPU)/setup.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	MEGAMU_SGLANG_TESTS=1 MEGAMU_SGLANG_VENV=$(SGLANG_VENV) MEGAMU_SGLANG_CPU=$(abspath $(SGLANG_CPU)) \
+		$(PY) -m pytest -q tests/sglang_real
 
 clean:
 	rm -rf $(VENV) *.egg-info

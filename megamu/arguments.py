@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
@@ -117,13 +117,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("rollout engine")
     g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default="local")
     g.add_argument("--rollout-batch-size", type=int, default=64, help="local engine: sequences decoded together")
-    g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="local engine: weight dtype")
+    g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
+                        "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", type=int, default=1)
     g.add_argument("--sglang-server-args", default="",
                    help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
+    g.add_argument("--sglang-python", default=None,
+                   help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
+    g.add_argument("--sglang-env", default="",
+                   help='environment of servers megamu launches, e.g. "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"')
+    g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
+                   help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
+                        "(default: memory in --rollout-mode colocated, disk in staged)")
 
 
 def add_reward_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,11 +177,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             _error("--" + flag.replace("_", "-"), f"must be a positive integer, got {getattr(args, flag)}")
     if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
+    if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
+        _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
+    env = []
+    for item in shlex.split(args.sglang_env):
+        if "=" not in item:
+            _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
+        env.append(tuple(item.split("=", 1)))
+    colocated = getattr(args, "rollout_mode", "staged") == "colocated"
+    sync = args.weight_sync or ("memory" if colocated and args.rollout_engine == "sglang" else "disk")
+    if sync == "memory" and not colocated:
+        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
+                                "from the stage's export)")
+    dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
     urls = tuple(u for u in (args.sglang_url or "").split(",") if u)
-    return EngineConfig(kind=args.rollout_engine, dtype=args.rollout_dtype, max_batch_size=args.rollout_batch_size,
+    return EngineConfig(kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
                         sglang_urls=urls, sglang_num_servers=args.sglang_num_servers,
                         sglang_tp_size=args.sglang_tp_size,
-                        sglang_server_args=tuple(shlex.split(args.sglang_server_args)))
+                        sglang_server_args=tuple(shlex.split(args.sglang_server_args)),
+                        sglang_python=args.sglang_python, sglang_env=tuple(env), weight_sync=sync)
 
 
 @dataclass
@@ -246,7 +268,8 @@ class RunConfig:
 
     def describe(self) -> str:
         precision = "bf16" if self.policy.bf16 else "fp32"
-        return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}")
+        return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
+                                             f"engine {self.rollout.engine.dtype}")
 
 
 # Config fields whose flag is not "--" + the field's name with dashes.
@@ -366,6 +389,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
                 prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
                 max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode)
+    engine = replace(engine_config(args), sync_backend=device.backend)
     policy = PolicyConfig(
         hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
         load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,
@@ -375,7 +399,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         offload_train=args.rollout_mode == "staged" if args.offload_train is None else args.offload_train,
         recompute_granularity=args.recompute_granularity)
     rollout = RolloutConfig(
-        mode=args.rollout_mode, engine=engine_config(args), run_dir=save, n_samples=args.n_samples_per_prompt,
+        mode=args.rollout_mode, engine=engine, run_dir=save, n_samples=args.n_samples_per_prompt,
         seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
         max_new_tokens=args.rollout_max_response_len, groups_per_shard=args.rollout_groups_per_shard,
         shards_per_call=args.rollout_shards_per_call, reward=reward_config(args))

@@ -12,7 +12,8 @@ from megamu.atomic import atomic_write_text
 
 
 class MetricsLogger:
-    """Appends records of kind "update", "stage", "eval" and "run"; every record carries ``time`` since the run began.
+    """Appends records of kind "update", "stage", "eval", "sync" and "run"; every record carries ``time`` since the
+    run began.
 
     On resume, records past the point the run resumes from are dropped first, so a resumed run's file reads as if it
     had never stopped (the replayed updates are logged again, once).
@@ -38,7 +39,7 @@ class MetricsLogger:
         kept = [
             rec for rec in read_metrics(self.path.parent)
             if (rec.get("kind") == "update" and rec["update"] < update)
-            or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
+            or (rec.get("kind") in ("stage", "eval", "sync") and rec["stage"] < stage)
         ]
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 

@@ -14,6 +14,7 @@ from megamu import parallel
 from megamu.algo import AlgoConfig
 from megamu.atomic import atomic_write
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
+from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.device import Device
 from megamu.model import ModelArch, build_model
@@ -38,7 +39,7 @@ class PolicyConfig:
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
     skip_zero_advantage: bool = True
     keep_checkpoints: int = 2  # newest checkpoints kept under save_dir (0: all)
-    export_dtype: str | None = None  # "bf16" | "fp16" | "fp32"; None: the training precision
+    export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
     offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
     recompute_granularity: str | None = None  # "full" | "selective"
 
@@ -115,14 +116,36 @@ class Policy:
     def export(self, name: str) -> Path:
         """The weights as an HF folder <save_dir>/hf/<name> (atomic; a finished folder of the same name is reused)."""
         out = Path(self.cfg.save_dir) / "hf" / name
-        if not (out / "config.json").exists():
-            export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source, dtype=self.cfg.export_dtype)
+        exists = (out / "config.json").exists()
+        parallel.barrier()  # every rank has looked before rank 0 writes: all take the same branch (export_hf's
+        # collectives and barrier), whichever rank the scheduler delays
+        if not exists:
+            export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source, dtype=self.export_dtype)
         parallel.barrier()
         return out
 
+    @property
+    def export_dtype(self) -> str:
+        """What exports and in-memory pushes carry: --export-dtype, else the training precision."""
+        return self.cfg.export_dtype or training_dtype(self.model)
+
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors for an in-memory push (gathered over TP; every rank gets them, rank 0 uses them)."""
-        return dict(mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch)))
+        """Full HF-named tensors for an in-memory push (gathered over TP; every rank gets them, rank 0 uses them),
+        in the export dtype, like an export."""
+        dtype = DTYPES[self.export_dtype]
+        return {n: t.to(dtype) for n, t in mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))}
+
+    def logprob_probe(self, token_ids: list[int]):
+        """The trainer's teacher-forced log-probs of ``token_ids`` at temperature 1 (collective), to check that an
+        engine serves these weights after a sync. Tolerance on the mean |difference| by dtype: float32 agrees to
+        ~1e-6 (1e-3 leaves room for other kernels); bfloat16 keeps 8 mantissa bits, ~1e-2 per log-prob."""
+        from megamu.rollout.sglang_sync import LogprobProbe
+
+        sample = RolloutSample(prompt_id=0, sample_index=0, prompt_ids=token_ids[:1], response_ids=token_ids[1:],
+                               behaviour_logprobs=[0.0] * (len(token_ids) - 1), reward=0.0, advantage=0.0,
+                               finish_reason="length")
+        values = compute_logprobs(self.model, [sample], temperature=1.0, micro_batch_size=1)[0]
+        return LogprobProbe(list(token_ids), values, tolerance=1e-3 if self.export_dtype == "fp32" else 0.05)
 
     def release_memory(self) -> None:
         """Before an engine generates: give back what the trainer does not need (§4). With ``offload_train`` the

@@ -17,12 +17,16 @@ class EngineConfig:
     """Which engine generates, as the trainer and tools/evaluate.py both configure it (flags: megamu.arguments)."""
 
     kind: str = "local"
-    dtype: str = "float32"  # local engine's weights
+    dtype: str = "float32"  # the engine's weights: local engine's, SGLang servers' --dtype, and the HF exports'
     max_batch_size: int = 64  # local engine: sequences decoded together
     sglang_urls: tuple[str, ...] = ()  # running servers or a router; empty: launch servers
     sglang_num_servers: int = 1
     sglang_tp_size: int = 1
     sglang_server_args: tuple[str, ...] = ()
+    sglang_python: str | None = None  # the Python that runs launched servers (None: this one), e.g. a CPU build's venv
+    sglang_env: tuple[tuple[str, str], ...] = ()  # added to launched servers' environment
+    weight_sync: str = "disk"  # how a colocated SGLang engine is refreshed: "disk" (HF export) or "memory"
+    sync_backend: str = "gloo"  # process group of in-memory pushes: the trainer device's (nccl on GPU, gloo on CPU)
 
 
 def make_engine(kind: str, hf_dir, **kwargs) -> Engine:
@@ -47,7 +51,9 @@ def build_engine(cfg: EngineConfig, hf_dir) -> Engine:
         return make_engine("local", str(hf_dir), dtype=getattr(torch, cfg.dtype), max_batch_size=cfg.max_batch_size)
     urls = list(cfg.sglang_urls) or None
     engine = make_engine(cfg.kind, str(hf_dir), urls=urls, num_servers=cfg.sglang_num_servers,
-                         tp_size=cfg.sglang_tp_size, extra_server_args=list(cfg.sglang_server_args))
+                         tp_size=cfg.sglang_tp_size, extra_server_args=list(cfg.sglang_server_args), dtype=cfg.dtype,
+                         server_python=cfg.sglang_python, server_env=dict(cfg.sglang_env),
+                         weight_sync=cfg.weight_sync, sync_backend=cfg.sync_backend)
     if urls:
         engine.update_weights(hf_dir=str(hf_dir))
     return engine

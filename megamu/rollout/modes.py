@@ -4,7 +4,9 @@ Every rank calls every method (weights move collectively); the engine itself run
 - ``StagedRollout`` (μ-GRPO, §4): each stage exports θ_k as an HF folder, starts an engine on it, generates the
   static dataset D_k, and shuts the engine down so its memory is free for the μ updates.
 - ``ColocatedRollout`` (the fair standard-GRPO baseline): the engine stays up between refreshes; new weights are
-  pushed to it in place (in memory for the in-process engine, from an HF folder for SGLang).
+  pushed to it in place: in memory (the in-process engine; SGLang with --weight-sync memory, its default here, no
+  per-refresh export) or from an HF folder (SGLang with --weight-sync disk). Each SGLang refresh is checked (layout,
+  weight version, a teacher-forced log-prob probe) and logged as a "sync" metrics record.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megamu.rollout.types import SamplingParams
 from megamu.training.checkpoint import prune_stage_export
 
 ROLLOUT_MODES = ("staged", "colocated")
+PROBE_TOKENS = 32  # tokens of the first held-out prompt whose log-probs check each SGLang refresh
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class Rollout:
 
     def generate(self, stage: int, prompts: list[PromptRecord], policy) -> StageDataset:
         """2. β_k generates D_k = {(x, y, A, b_1:T)} (durable, resumable); every rank then reads it."""
-        parallel.barrier()  # every rank sees the same manifest state
-        if not self.done(stage):
+        done = self.done(stage)
+        parallel.barrier()  # every rank has looked before rank 0 can write the manifest: all take the same branch
+        if not done:
             policy.release_memory()
             if parallel.is_main_rank():
                 engine = self._engine()
@@ -164,9 +168,17 @@ class ColocatedRollout(Rollout):
             if parallel.is_main_rank():
                 self.engine.update_weights(state_dict=weights)
         else:
-            self.hf_dir = policy.export(f"stage_{stage}")
+            memory = self.cfg.engine.weight_sync == "memory"
+            weights = policy.engine_weights() if memory else None  # collective, like the export
+            if not memory:
+                self.hf_dir = policy.export(f"stage_{stage}")
+            probe = policy.logprob_probe(self.held_out[0].prompt_ids[:PROBE_TOKENS]) if self.held_out else None
             if parallel.is_main_rank():
-                self.engine.update_weights(hf_dir=str(self.hf_dir))
+                report = self.engine.update_weights(hf_dir=None if memory else str(self.hf_dir), state_dict=weights,
+                                                    version=policy.version, probe=probe)
+                self.metrics.log("sync", step=stage, stage=stage, mode=report.mode, t_sync=report.seconds,
+                                 bytes=report.bytes, weight_version=report.version,
+                                 probe_mean_abs_diff=report.probe_mean_abs_diff)
 
     def _engine(self) -> Engine:
         if self.engine is None:

@@ -8,8 +8,13 @@ Determinism: shard k always holds the groups of prompts[k*S:(k+1)*S], and each r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import queue
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -38,31 +43,23 @@ def _score(scorer, responses: list[str], truths: list[str]) -> list[float]:
     return scorer.score(responses, truths) if hasattr(scorer, "score") else list(scorer(responses, truths))
 
 
-def generate_groups(
-    engine: Engine,
-    prompts: list[PromptRecord],
-    sampling: SamplingParams,
-    n_samples: int,
-    scorer,
-    tokenizer,
-    *,
-    stage: int = 0,
-    policy_version: int = 0,
-) -> list[list[RolloutSample]]:
-    """One group of ``n_samples`` scored samples per prompt, with group advantages (Eq. 1); in memory.
-
-    ``scorer`` has ``score(responses, ground_truths) -> list[float]`` (e.g. ``RewardScorer``). A None
-    ``sampling.seed`` counts as 0, so every phase is reproducible.
-    """
-    from megamu.algo import group_advantages
-
+def stage_requests(prompts: list[PromptRecord], sampling: SamplingParams, n_samples: int,
+                   stage: int) -> list[GenerateRequest]:
+    """One request per prompt; its seed derives from (base seed, stage, prompt_id) alone (a None seed counts as 0)."""
     base_seed = sampling.seed if sampling.seed is not None else 0
-    requests = [
+    return [
         GenerateRequest(p.prompt_id, p.prompt_ids, replace(sampling, n=n_samples,
-                                                           seed=derive_seed(base_seed, stage, p.prompt_id)))
+                                                           seed=derive_seed(base_seed, stage, p.prompt_id)),
+                        source=getattr(p, "source", ""))
         for p in prompts
     ]
-    out = engine.generate(requests)
+
+
+def score_groups(engine: Engine, prompts: list[PromptRecord], out: list, n_samples: int, scorer, tokenizer, *,
+                 stage: int, policy_version: int) -> list[list[RolloutSample]]:
+    """Check the engine's samples for ``prompts``, score them and compute group advantages (Eq. 1)."""
+    from megamu.algo import group_advantages
+
     expected = [(p.prompt_id, j) for p in prompts for j in range(n_samples)]
     if [(s.prompt_id, s.sample_index) for s in out] != expected:
         raise RuntimeError(f"engine {type(engine).__name__} returned samples out of order or incomplete "
@@ -83,6 +80,85 @@ def generate_groups(
         for i, s in enumerate(out)
     ]
     return [samples[g * n_samples : (g + 1) * n_samples] for g in range(len(prompts))]
+
+
+def generate_groups(
+    engine: Engine,
+    prompts: list[PromptRecord],
+    sampling: SamplingParams,
+    n_samples: int,
+    scorer,
+    tokenizer,
+    *,
+    stage: int = 0,
+    policy_version: int = 0,
+) -> list[list[RolloutSample]]:
+    """One group of ``n_samples`` scored samples per prompt, with group advantages (Eq. 1); in memory.
+
+    ``scorer`` has ``score(responses, ground_truths) -> list[float]`` (e.g. ``RewardScorer``). A None
+    ``sampling.seed`` counts as 0, so every phase is reproducible.
+    """
+    out = engine.generate(stage_requests(prompts, sampling, n_samples, stage))
+    return score_groups(engine, prompts, out, n_samples, scorer, tokenizer, stage=stage,
+                        policy_version=policy_version)
+
+
+def _streamed_shards(engine, shard_requests: dict[int, list[GenerateRequest]], max_in_flight: int):
+    """Yield (shard, its samples in request order) as each shard's last request finishes.
+
+    Up to ``max_in_flight`` requests run at all times: each finished request starts the next one (from the done
+    callback, so the servers stay busy while the caller scores and writes a shard), in shard order."""
+    pending = deque((k, i, r) for k, reqs in shard_requests.items() for i, r in enumerate(reqs))
+    results = {k: [None] * len(reqs) for k, reqs in shard_requests.items()}
+    left = {k: len(reqs) for k, reqs in shard_requests.items()}
+    done: queue.Queue = queue.Queue()
+    # Reentrant: a future that is already done runs its callback (start_next) inside add_done_callback.
+    lock, futures, index = threading.RLock(), set(), itertools.count()
+    stopped = threading.Event()
+
+    def start_next(finished=None) -> None:
+        with lock:
+            if finished is not None:
+                futures.discard(finished)
+            while pending and len(futures) < max_in_flight and not stopped.is_set():
+                k, i, req = pending.popleft()
+                f = engine.submit(next(index), req)
+                futures.add(f)
+                f.add_done_callback(lambda f, k=k, i=i: (done.put((k, i, f)), start_next(f)))
+
+    try:
+        start_next()
+        while any(left.values()):
+            k, i, f = done.get()
+            results[k][i] = f.result()  # a failed request ends the phase; shards written so far stay
+            left[k] -= 1
+            if left[k] == 0:
+                yield k, [s for r in results.pop(k) for s in r]
+    finally:
+        stopped.set()
+        with lock:
+            for f in futures:
+                f.cancel()
+
+
+def _called_shards(engine, shard_requests: dict[int, list[GenerateRequest]], shards_per_call: int):
+    """For engines without ``submit`` (LocalEngine): one ``generate`` call per ``shards_per_call`` shards, the next
+    call running in a thread while the caller scores and writes the shards of the last one."""
+    keys = list(shard_requests)
+    calls = [keys[c : c + shards_per_call] for c in range(0, len(keys), shards_per_call)]
+    gen = lambda call: engine.generate([r for k in call for r in shard_requests[k]])
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generate")
+    try:
+        ahead = pool.submit(gen, calls[0]) if calls else None
+        for c, call in enumerate(calls):
+            out = ahead.result()
+            ahead = pool.submit(gen, calls[c + 1]) if c + 1 < len(calls) else None
+            for k in call:
+                n = sum(r.sampling.n for r in shard_requests[k])
+                yield k, out[:n]
+                out = out[n:]
+    finally:  # on an error, do not wait for the call generating ahead
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_plan(out: Path, plan: dict) -> None:
@@ -112,11 +188,15 @@ def run_rollout_phase(
     groups_per_shard: int = 16,
     shards_per_call: int = 1,
     model_path: str = "",
+    max_in_flight: int | None = None,
 ) -> StageManifest:
     """Generate, score and write a whole stage, resuming at the first missing shard; returns the manifest.
 
-    ``shards_per_call`` > 1 hands the engine several shards' prompts at once (SGLang servers want hundreds of
-    requests in flight); each shard is still written on its own, so a crash loses at most one call's work.
+    An engine with ``submit`` (SGLang) gets a continuous stream: ``max_in_flight`` requests (default twice its
+    concurrency) are kept running across shard boundaries, and each shard is scored and written as soon as its last
+    group is in, while generation goes on. Other engines get ``shards_per_call`` shards per ``generate`` call, the
+    next call running while the last one's shards are scored and written. Either way a shard's contents depend only
+    on its prompts and seeds, and a crash loses only the shards not yet written.
     """
     from tqdm import tqdm
 
@@ -141,28 +221,34 @@ def run_rollout_phase(
     bar = tqdm(total=todo, desc=f"rollout stage {stage}", unit="sample", dynamic_ncols=True)
     n_tokens, reward_sum, n_done, t0 = 0, 0.0, 0, time.monotonic()
     missing = [k for k in range(len(chunks)) if not done[k]]
-    for c in range(0, len(missing), shards_per_call):
-        call = missing[c : c + shards_per_call]
-        t_call = time.monotonic()
-        groups = generate_groups(engine, [p for k in call for p in chunks[k]], sampling, n_samples, scorer,
-                                 tokenizer, stage=stage, policy_version=policy_version)
-        t_each = (time.monotonic() - t_call) / len(call)
-        for k in call:
-            shard, groups = groups[: len(chunks[k])], groups[len(chunks[k]) :]
-            write_shard(out, k, shard, t_generate_s=t_each)
-            flat = [s for g in shard for s in g]
-            n_tokens += sum(s.response_length for s in flat)
-            reward_sum += sum(s.reward for s in flat)
-            n_done += len(flat)
-            bar.update(len(flat))
-            crash_point("shard", k)
+    shard_requests = {k: stage_requests(chunks[k], sampling, n_samples, stage) for k in missing}
+    if hasattr(engine, "check_requests"):  # every bad prompt of the stage named before any work is done
+        engine.check_requests([r for reqs in shard_requests.values() for r in reqs])
+    if hasattr(engine, "submit"):
+        in_flight = max_in_flight or 2 * getattr(getattr(engine, "config", None), "max_concurrency", 256)
+        stream = _streamed_shards(engine, shard_requests, in_flight)
+    else:
+        stream = _called_shards(engine, shard_requests, shards_per_call)
+    t_last, written = time.monotonic(), 0
+    for k, generated in stream:
+        shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
+                             policy_version=policy_version)
+        now = time.monotonic()
+        write_shard(out, k, shard, t_generate_s=now - t_last)  # the shards' times add up to the phase's
+        t_last = now
+        flat = [s for g in shard for s in g]
+        n_tokens += sum(s.response_length for s in flat)
+        reward_sum += sum(s.reward for s in flat)
+        n_done += len(flat)
+        bar.update(len(flat))
+        crash_point("shard", k)
         dt = max(time.monotonic() - t0, 1e-9)
-        if c == 0 and len(missing) > len(call):  # one estimate, as soon as there is a measured shard to base it on
-            left = (len(missing) - len(call)) * dt / len(call)
-            bar.write(f"[rollout] stage {stage}: {dt / len(call):.0f}s per shard of {groups_per_shard} groups on "
-                      f"this machine: about {left / 60:.1f} min more for this stage's rollout")
+        written += 1
+        if written == 1 and len(missing) > 1:  # one estimate, as soon as there is a measured shard to base it on
+            bar.write(f"[rollout] stage {stage}: {dt:.0f}s for the first shard of {groups_per_shard} groups on this "
+                      f"machine: about {(len(missing) - 1) * dt / 60:.1f} min more for this stage's rollout")
         bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
-                        reward=f"{reward_sum / n_done:.3f}")
+                        reward=f"{reward_sum / max(n_done, 1):.3f}")
     bar.close()
     manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path)
     print(

@@ -1,9 +1,10 @@
-"""SGLang rollout engine: server lifecycle and an HTTP client for ``/generate`` (see notes/sglang.md).
+"""SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints (see notes/sglang.md).
 
 Only the standard library is used on the client side, so nothing of SGLang is imported by the trainer: servers are
-separate processes (``python -m sglang.launch_server``), started here or given as URLs (servers or an sglang-router).
+separate processes (sglang_server.py), started here or given as URLs (servers or an sglang-router).
 Requests run in a bounded thread pool; each is retried with exponential backoff on connection errors and 5xx
 (on the next server, when there are several), never on a timeout (a retry would redo a long generation) or a 4xx.
+Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
 
 Seeds: every sample is sent with its own ``sampling_seed``, but SGLang honours it only on servers launched with
 ``--enable-deterministic-inference`` (elsewhere it is ignored and sampling is random, so a resumed stage draws new
@@ -12,25 +13,36 @@ samples for its missing shards). ``SGLangEngine.deterministic`` says which; pass
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
 import random
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from megamu.rollout.types import GeneratedSample, GenerateRequest, SamplingParams, sample_seed
+from megamu.rollout.sglang_server import (
+    PortInUse,
+    SGLangConfig,
+    launch_servers,
+    log_tail,
+    stop_processes,
+)
+from megamu.rollout.sglang_server import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
+from megamu.rollout.types import (
+    GeneratedSample,
+    GenerateRequest,
+    SamplingParams,
+    check_prompts,
+    describe_request,
+    sample_seed,
+)
 
 
 class SGLangError(RuntimeError):
@@ -41,61 +53,8 @@ class SGLangError(RuntimeError):
         self.status = status  # the HTTP status of a refused request, if that is what failed
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-_SIGTERM = int(signal.SIGTERM)
-
-
-def _die_with_parent() -> None:
-    """Popen preexec_fn: SIGTERM the server when the process that launched it dies, even by SIGKILL.
-
-    Servers run in their own session (so they can be stopped as a group), which also means nothing else would stop
-    them: a trainer killed by the OOM killer or a scheduler's SIGTERM would leave them holding the GPUs and the port.
-    The ctypes handle is resolved before the fork, so the child only makes one libc call. Linux ties this to the
-    launching *thread*: create the engine on a thread that lives as long as it (the main thread).
-    """
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, _SIGTERM)
-
-
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _log_tail(path: Path, n: int = 40) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(lines[-n:])
-
-
-def _stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM each server's process group (scheduler and detokenizer children included), then SIGKILL."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    end = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # children may outlive the leader: kill the whole group by its id
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-    procs.clear()
 
 
 def sampling_payload(sp: SamplingParams, seed: int | None = None) -> dict:
@@ -118,8 +77,9 @@ def parse_sample(result: dict, prompt_id: int, sample_index: int, stop_ids=()) -
     """One SGLang result (``meta_info.output_token_logprobs`` = [[logprob, token_id, text], ...]) as a sample.
 
     Ids and log-probs both come from ``output_token_logprobs``, so there is exactly one log-prob per id whatever
-    SGLang trims from ``output_ids``. SGLang checks the length limit before the stop tokens, so a reply whose last
-    allowed token is a stop token comes back as "length"; it is complete, and LocalEngine calls it "stop": so do we.
+    SGLang trims from ``output_ids``. Some SGLang releases check the length limit before the stop tokens, so a reply
+    whose last allowed token is a stop token comes back as "length"; it is complete, and LocalEngine calls it "stop":
+    so do we.
     """
     meta = result.get("meta_info") or {}
     pairs = meta.get("output_token_logprobs")
@@ -131,86 +91,67 @@ def parse_sample(result: dict, prompt_id: int, sample_index: int, stop_ids=()) -
     ids = [int(p[1]) for p in pairs]
     if kind == "length" and ids and ids[-1] in stop_ids:
         kind = "stop"
+    version = meta.get("weight_version")
     return GeneratedSample(
         prompt_id=prompt_id,
         sample_index=sample_index,
         output_ids=ids,
         output_logprobs=[float(p[0]) for p in pairs],
         finish_reason=kind if kind in ("stop", "length") else "abort",
+        weight_version=None if version is None else str(version),
     )
 
 
+def _served_vocab_size(model_path: str | None) -> int | None:
+    """vocab_size of the served model's config.json, when that folder is readable from here."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return int(vocab) if vocab else None
+
+
 class SGLangEngine:
-    """Launch SGLang servers for ``hf_dir`` (or use ``urls``) and generate through their HTTP API."""
+    """Launch SGLang servers for ``hf_dir`` (or use ``config.urls``) and generate through their HTTP API.
+
+    ``SGLangEngine(hf_dir, config)``, or keyword overrides of SGLangConfig's fields (``urls=[...]`` etc.)."""
 
     name = "sglang"
 
-    def __init__(
-        self,
-        hf_dir: str | None,
-        *,
-        urls: list[str] | None = None,
-        num_servers: int = 1,
-        tp_size: int = 1,
-        api_key: str | None = None,
-        port_base: int = 30000,
-        startup_timeout_s: float = 600.0,
-        max_concurrency: int = 256,
-        request_timeout_s: float = 3600.0,
-        max_retries: int = 5,
-        backoff_s: float = 1.0,
-        extra_server_args: list[str] = (),
-        log_dir: str | None = None,
-        shutdown_grace_s: float = 30.0,
-    ):
-        self.api_key = api_key if api_key is not None else os.environ.get("SGLANG_API_KEY")
-        self.request_timeout_s = request_timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self._procs: list[subprocess.Popen] = []
-        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, shutdown_grace_s)
+    def __init__(self, hf_dir: str | None, config: SGLangConfig | None = None, **overrides):
+        cfg = self.config = replace(config or SGLangConfig(), **overrides)
+        self.api_key = cfg.api_key if cfg.api_key is not None else os.environ.get("SGLANG_API_KEY")
+        self._procs: list = []
+        self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)
         self._run_id = uuid.uuid4().hex[:8]
+        self._pool = None
+        self._sync = None  # the in-memory weight-sync group, made at the first memory sync (sglang_sync.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
-        if urls:
-            self.urls = [u.rstrip("/") for u in urls]
-            self._wait_healthy(startup_timeout_s, logs=[])
+        self.launched = not cfg.urls
+        if cfg.urls:
+            self.urls = [u.rstrip("/") for u in cfg.urls]
+            self._wait_healthy([], model_path=None)
         else:
             if hf_dir is None:
                 raise ValueError("SGLangEngine needs hf_dir (to launch servers) or urls (--sglang-url)")
             self.api_key = self.api_key or secrets.token_hex(16)
-            self.urls, logs = self._launch(str(hf_dir), num_servers, tp_size, port_base, list(extra_server_args),
-                                           Path(log_dir) if log_dir else Path(hf_dir).parent / "sglang_logs")
-            self._wait_healthy(startup_timeout_s, logs, model_path=str(hf_dir))
+            log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
+            try:
+                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self._procs, log_dir)
+            except (PortInUse, OSError) as e:
+                self.shutdown()
+                raise SGLangError(str(e)) from e
+            self._wait_healthy(logs, model_path=str(hf_dir))
         if self.deterministic is False:
             print("[sglang] servers run without --enable-deterministic-inference: sampling_seed is ignored, so "
                   "rollouts are not reproducible (a resumed stage draws new samples for its missing shards)")
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-http")
+        self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
 
     # ---- server lifecycle -------------------------------------------------------------------------------------
-    def _launch(self, hf_dir: str, num_servers: int, tp_size: int, port_base: int, extra: list[str], log_dir: Path):
-        log_dir.mkdir(parents=True, exist_ok=True)
-        urls, logs = [], []
-        for i in range(num_servers):
-            port = port_base + i
-            if _port_in_use(port):  # a leftover server there would answer /health in place of ours
-                self.shutdown()
-                raise SGLangError(f"port {port} (SGLang server {i}) is already in use, maybe by a server left over "
-                                  "from an earlier run; stop it or choose another port_base")
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", hf_dir, "--host", "127.0.0.1",
-                   "--port", str(port), "--tp-size", str(tp_size), "--base-gpu-id", str(i * tp_size),
-                   "--api-key", self.api_key, *extra]
-            log = log_dir / f"server_{i}.log"
-            with open(log, "w") as f:
-                # Own session: the whole server (scheduler, detokenizer children) is one process group to stop.
-                self._procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                                    preexec_fn=_die_with_parent))
-            urls.append(f"http://127.0.0.1:{port}")
-            logs.append(log)
-        return urls, logs
-
-    def _wait_healthy(self, timeout_s: float, logs: list[Path], model_path: str | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        honours_seeds = []
+    def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        infos = []
         for i, url in enumerate(self.urls):
             log = logs[i] if i < len(logs) else None
             while True:
@@ -218,28 +159,27 @@ class SGLangEngine:
                 if proc is not None and proc.poll() is not None:
                     self.shutdown()
                     raise SGLangError(f"SGLang server {url} exited with code {proc.returncode} during startup; "
-                                      f"log {log}:\n{_log_tail(log)}")
+                                      f"log {log}:\n{log_tail(log)}")
                 try:
                     self._call(url, "/health", None, timeout=5.0)
                     break
                 except (OSError, http.client.HTTPException, SGLangError):
                     pass
                 if time.monotonic() > deadline:
-                    tail = f"log {log}:\n{_log_tail(log)}" if log else "(not started by us: no log)"
+                    tail = f"log {log}:\n{log_tail(log)}" if log else "(not started by us: no log)"
                     self.shutdown()
-                    raise SGLangError(f"SGLang server {url} not healthy after {timeout_s:.0f}s; {tail}")
+                    raise SGLangError(f"SGLang server {url} not healthy after {self.config.startup_timeout_s:.0f}s; "
+                                      f"{tail}")
                 time.sleep(1.0)
             try:
-                honours_seeds.append(self._check_server(url, model_path))
+                infos.append(self._check_server(url, model_path))
             except SGLangError:
                 self.shutdown()
                 raise
-        self.deterministic = None if None in honours_seeds else all(honours_seeds)
+        self._read_limits(infos, model_path)
 
-    def _check_server(self, url: str, model_path: str | None) -> bool | None:
-        """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?
-
-        Returns whether the server honours sampling_seed (None: it did not say)."""
+    def _check_server(self, url: str, model_path: str | None) -> dict:
+        """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?"""
         try:
             info = self._call(url, "/server_info", None, timeout=60.0)
         except SGLangError as e:
@@ -250,14 +190,42 @@ class SGLangEngine:
         except (OSError, http.client.HTTPException):
             info = None
         if not isinstance(info, dict):
-            return None
+            return {}
         served = info.get("model_path")
         if model_path is not None and served and os.path.realpath(served) != os.path.realpath(model_path):
             raise SGLangError(f"SGLang server {url} serves {served}, not {model_path}: another server holds the port")
-        return bool(info.get("enable_deterministic_inference", False))
+        try:  # after a weight update /model_info has the current model and weight version; /server_info does not
+            info["model_info"] = self._call(url, "/model_info", None, timeout=60.0) or {}
+        except (SGLangError, OSError, http.client.HTTPException):
+            info["model_info"] = {}
+        return info
+
+    def _read_limits(self, infos: list[dict], model_path: str | None) -> None:
+        """What prompts, syncs and samples are checked against: vocabulary, input limit, dtype, layout, version."""
+        from megamu.rollout.sglang_sync import ModelLayout, WeightMismatch
+
+        honours = [i.get("enable_deterministic_inference") if i else None for i in infos]
+        self.deterministic = None if None in honours or not honours else all(bool(h) for h in honours)
+        limits = [int(i["max_req_input_len"]) for i in infos if i.get("max_req_input_len")]
+        self.max_input_len = min(limits) if limits else None  # SGLang refuses prompts of this length or more
+        first = infos[0] if infos else {}
+        served = (first.get("model_info") or {}).get("model_path") or first.get("model_path") or model_path
+        self.vocab_size = self.config.vocab_size or _served_vocab_size(served)
+        self.server_dtype = self.config.dtype if self.launched else first.get("dtype")
+        try:
+            self.layout = ModelLayout.from_folder(served) if served else None
+        except (WeightMismatch, OSError, ValueError):
+            self.layout = None  # a remote server's folder we cannot read: only the architecture is checked
+        versions = {str((i.get("model_info") or {}).get("weight_version")) for i in infos if i.get("model_info")}
+        if len(versions) > 1:
+            raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
+        self.weight_version = versions.pop() if versions else None
 
     def shutdown(self) -> None:
-        if getattr(self, "_pool", None) is not None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+        if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._finalizer()
 
@@ -285,10 +253,12 @@ class SGLangEngine:
     def _post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
         """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.
 
+        A 4xx is never retried: the server refused this request, and would refuse it again.
         A retry gets fresh request ids: SGLang answers 400 "Duplicate request ID" while the failed attempt is still
         known to the server (a dropped connection is only noticed after a while)."""
-        delay = self.backoff_s
-        for attempt in range(self.max_retries + 1):
+        delay = self.config.backoff_s
+        retries, timeout = self.config.max_retries, self.config.request_timeout_s
+        for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
             sent = body
             if attempt and "rid" in body:
@@ -296,24 +266,40 @@ class SGLangEngine:
                 rid = [f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}"
                 sent = dict(body, rid=rid)
             try:
-                return self._call(url, path, sent, timeout=self.request_timeout_s)
+                return self._call(url, path, sent, timeout=timeout)
+            except SGLangError as e:
+                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
             except TimeoutError as e:
-                raise SGLangError(f"{what}: no answer from {url} within {self.request_timeout_s}s") from e
+                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
             except urllib.error.URLError as e:
                 if isinstance(e.reason, TimeoutError):
-                    raise SGLangError(f"{what}: no answer from {url} within {self.request_timeout_s}s") from e
+                    raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
                 error = e
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 error = e
-            if attempt == self.max_retries:
-                raise SGLangError(f"{what}: failed after {self.max_retries + 1} attempts: {error}") from error
+            if attempt == retries:
+                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
 
+    def _post_all(self, path: str, body: dict, what: str) -> list:
+        """The same request to every server at once (weight syncs); raises if any says it failed."""
+        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in self.urls]
+        outs = [f.result() for f in futures]
+        for url, out in zip(self.urls, outs):
+            if isinstance(out, dict) and out.get("success") is False:
+                raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
+        return outs
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+    def check_requests(self, requests: list[GenerateRequest]) -> None:
+        """Raise PromptError naming every prompt the servers would refuse or die on; sends nothing."""
+        check_prompts(requests, self.vocab_size, self.max_input_len)
+
     def _generate_one(self, index: int, req: GenerateRequest) -> list[GeneratedSample]:
         sp = req.sampling
-        what = f"/generate for prompt {req.prompt_id}"
+        what = f"/generate for {describe_request(req)}"
         rid = f"megamu-{self._run_id}-{req.prompt_id}-{uuid.uuid4().hex[:6]}"
         # The group goes as a batch with one sampling_seed per sample, never as n copies of one request: those would
         # share one seed, and a server that honours seeds would return n identical samples (no group variance).
@@ -326,10 +312,20 @@ class SGLangEngine:
         results = out if isinstance(out, list) else [out]
         if len(results) != sp.n:
             raise SGLangError(f"{what}: expected {sp.n} samples, got {len(results)}")
-        return [parse_sample(r, req.prompt_id, j, sp.stop_token_ids) for j, r in enumerate(results)]
+        samples = [parse_sample(r, req.prompt_id, j, sp.stop_token_ids) for j, r in enumerate(results)]
+        stale = [s.weight_version for s in samples if self.weight_version and s.weight_version != self.weight_version]
+        if stale:  # samples must be from the weights of the last sync, which the trainer's importance ratio assumes
+            raise SGLangError(f"{what}: made by weight version {stale[0]}, but the servers were synced to "
+                              f"{self.weight_version}")
+        return samples
+
+    def submit(self, index: int, request: GenerateRequest) -> Future:
+        """Start one request (its n samples) in the background; the future holds its samples, in order."""
+        return self._pool.submit(self._generate_one, index, request)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
-        futures = [self._pool.submit(self._generate_one, i, r) for i, r in enumerate(requests)]
+        self.check_requests(requests)
+        futures = [self.submit(i, r) for i, r in enumerate(requests)]
         try:
             return [s for f in futures for s in f.result()]
         except BaseException:
@@ -337,13 +333,20 @@ class SGLangEngine:
                 f.cancel()
             raise
 
-    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Reload every server from an HF folder (``/update_weights_from_disk``)."""
-        if state_dict is not None or hf_dir is None:
-            raise NotImplementedError("SGLangEngine.update_weights takes an HF folder; in-memory weight pushes "
-                                      "(/update_weights_from_distributed) are not wired yet")
-        for url in self.urls:
-            out = self._post_with_retries([url], "/update_weights_from_disk",
-                                          {"model_path": str(hf_dir), "flush_cache": True}, f"weight update of {url}")
-            if isinstance(out, dict) and out.get("success") is False:
-                raise SGLangError(f"{url}/update_weights_from_disk({hf_dir}) failed: {out.get('message')}")
+    def teacher_forced_logprobs(self, token_ids: list[int], url: str | None = None) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 at temperature 1, from one server (no token generated)."""
+        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "stream": False}
+        out = self._post_with_retries([url or self.urls[0]], "/generate", body, "teacher-forced log-prob probe")
+        pairs = (out.get("meta_info") or {}).get("input_token_logprobs") or []
+        return [float(p[0]) for p in pairs[1:]]
+
+    # ---- weight sync -------------------------------------------------------------------------------------------
+    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
+                       probe=None):
+        """Sync every server to new weights (an HF folder, or an HF-named state dict sent in memory); returns a
+        SyncReport. Refused before anything is sent when the weights do not fit the running model; ``version`` (the
+        policy version; default: one more than the last) is set on the servers and checked on every sample."""
+        from megamu.rollout.sglang_sync import sync_weights
+
+        return sync_weights(self, hf_dir, state_dict, version, probe)

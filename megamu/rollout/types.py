@@ -31,6 +31,7 @@ class GenerateRequest:
     prompt_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
+    source: str = ""  # where the prompt came from ("file: row N"), named in errors about it
 
 
 @dataclass
@@ -40,6 +41,39 @@ class GeneratedSample:
     output_ids: list[int]  # includes the stop/EOS token when finish_reason == "stop"
     output_logprobs: list[float]  # one per output id
     finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str | None = None  # the weights that made it, as the engine reported them (None: not reported)
+
+
+class PromptError(ValueError):
+    """Requests an engine refuses before sending anything: the message names each bad prompt's id and source."""
+
+
+def describe_request(req: GenerateRequest) -> str:
+    return f"prompt {req.prompt_id}" + (f" ({req.source})" if req.source else "")
+
+
+def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, max_input_len: int | None) -> None:
+    """Refuse empty prompts, ids outside [0, vocab_size) and prompts of ``max_input_len`` tokens or more (SGLang's
+    ``max_req_input_len``: it refuses those), all at once.
+
+    An empty prompt or an out-of-vocabulary id kills a real SGLang server's scheduler (notes/sglang.md), so these
+    must never be sent; checking the whole list first names every bad row before any work is done."""
+    bad = []
+    for req in requests:
+        ids, why = req.prompt_ids, None
+        if not ids:
+            why = "empty prompt"
+        elif vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+            tok = next(t for t in ids if t < 0 or t >= vocab_size)
+            why = f"token id {tok} outside the model's vocabulary [0, {vocab_size})"
+        elif max_input_len is not None and len(ids) >= max_input_len:
+            limit = max_input_len - 1
+            why = f"{len(ids)} prompt tokens, the server's limit is {limit} (max_req_input_len {max_input_len})"
+        if why:
+            bad.append(f"{describe_request(req)}: {why}")
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise PromptError(f"{len(bad)} prompt(s) refused before generation:\n  " + "\n  ".join(bad[:10]) + more)
 
 
 class Engine(Protocol):

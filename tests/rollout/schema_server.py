@@ -1,6 +1,7 @@
 """A small HTTP server that speaks SGLang's /generate schema (notes/sglang.md), backed by LocalEngine.
 
-Faults can be queued to test the client: "503" (one error response), "drop" (close the connection without an
+Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
+Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
 answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
 has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
 """
@@ -16,15 +17,17 @@ from megamu.rollout.types import GenerateRequest, SamplingParams
 
 
 class SchemaServer:
-    def __init__(self, engine, api_key: str = "secret", deterministic: bool = True):
+    def __init__(self, engine, api_key: str = "secret", deterministic: bool = True, port: int = 0):
         self.engine = engine
         self.api_key = api_key
         self.deterministic = deterministic  # LocalEngine honours seeds, like SGLang with deterministic inference
         self.rids: set[str] = set()
         self.faults: list[str] = []
         self.log: list[dict] = []  # every /generate body received, and what was answered
+        self.weight_version = "default"  # as SGLang: set by a weight update, reported on every sample
+        self.max_req_input_len: int | None = None  # reported in /server_info when set (SGLang always reports it)
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -57,7 +60,8 @@ class SchemaServer:
                     "output_ids": s.output_ids,
                     "meta_info": {
                         "id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
-                        "completion_tokens": len(s.output_ids), "cached_tokens": 0, "weight_version": "default",
+                        "completion_tokens": len(s.output_ids), "cached_tokens": 0,
+                        "weight_version": self.weight_version,
                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)],
                         "e2e_latency": 0.0,
                     },
@@ -94,8 +98,14 @@ class SchemaServer:
                 if self.path == "/health":
                     return self._reply(200, {})
                 if self.path == "/server_info":
+                    info = {"model_path": server.engine.hf_dir, "dtype": "float32",
+                            "enable_deterministic_inference": server.deterministic}
+                    if server.max_req_input_len is not None:
+                        info["max_req_input_len"] = server.max_req_input_len
+                    return self._reply(200, info)
+                if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.engine.hf_dir,
-                                             "enable_deterministic_inference": server.deterministic})
+                                             "weight_version": server.weight_version})
                 self._reply(404, {"error": "not found"})
 
             def do_POST(self):
@@ -111,8 +121,8 @@ class SchemaServer:
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
                 fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
-                if fault == "503":
-                    return self._reply(503, {"error": "injected overload"})
+                if fault in ("503", "400"):
+                    return self._reply(int(fault), {"error": f"injected HTTP {fault}"})
                 if fault == "drop":
                     self.close_connection = True
                     return
@@ -125,6 +135,7 @@ class SchemaServer:
                 if self.path == "/update_weights_from_disk":
                     with server.lock:
                         server.engine.update_weights(body["model_path"])
+                        server.weight_version = body.get("weight_version") or server.weight_version
                     return self._reply(200, {"success": True, "message": "ok"})
                 self._reply(404, {"error": f"no route {self.path}"})
 

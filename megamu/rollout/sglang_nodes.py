@@ -1,0 +1,52 @@
+"""SGLang servers over several nodes: local rank 0 of each node launches that node's servers, global rank 0 dispatches.
+
+Call ``start_sglang`` on every rank of the trainer (it is collective). Servers must listen on an address the other
+nodes reach (``SGLangConfig.host``, e.g. "0.0.0.0"), and in-memory syncs need ``sync_master_address`` = global rank
+0's address and the "nccl" backend on GPUs. One API key is drawn on rank 0 and shared, so the dispatcher is accepted
+by every node's servers.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import replace
+
+from megamu.rollout.sglang import SGLangEngine, SGLangError
+from megamu.rollout.sglang_server import SGLangConfig
+
+
+def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | None, SGLangEngine | None]:
+    """(dispatcher, node servers): the engine global rank 0 generates and syncs with (None elsewhere), and the engine
+    owning this node's servers on each local rank 0 (None elsewhere; ``shutdown()`` it to stop them).
+
+    Without torch.distributed (or with ``cfg.urls``: servers someone else runs) this is one engine on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        engine = SGLangEngine(hf_dir, cfg)
+        return engine, (engine if engine.launched else None)
+    rank = dist.get_rank()
+    if cfg.urls:
+        return (SGLangEngine(hf_dir, cfg) if rank == 0 else None), None
+    box = [cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16)]
+    dist.broadcast_object_list(box, src=0)
+    cfg = replace(cfg, api_key=box[0])
+    node, error = None, ""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            node = SGLangEngine(hf_dir, cfg)
+        except (SGLangError, OSError, ValueError) as e:
+            error = f"rank {rank}: {e}"
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (node.urls if node else [], error))
+    errors = [e for _, e in gathered if e]
+    if errors:  # every rank raises, so none waits forever for a node that failed
+        if node is not None:
+            node.shutdown()
+        raise SGLangError("SGLang servers failed to start on some nodes:\n" + "\n".join(errors))
+    urls = [u for node_urls, _ in gathered for u in node_urls]
+    dispatcher = None
+    if rank == 0:
+        dispatcher = node if urls == (node.urls if node else None) else SGLangEngine(None, replace(cfg, urls=urls))
+    return dispatcher, node

@@ -1,0 +1,172 @@
+"""SGLang server processes: the engine's settings, launching servers (one node or several) and stopping them.
+
+A server is ``<server_python> -m sglang.launch_server`` in its own session, so it can be stopped as a process group.
+It may run under another Python and environment than the trainer (the CPU build of SGLang lives in its own venv:
+``server_python`` / ``server_env``). torchrun's variables are removed from its environment: a server started by a
+trainer rank would otherwise read RANK / WORLD_SIZE / MASTER_ADDR meant for the trainer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Set by torchrun / torch.distributed.elastic for the trainer's own ranks (torch/distributed/run.py).
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+@dataclass
+class SGLangConfig:
+    """Everything the SGLang engine needs; arguments.py builds it from the --sglang-* flags."""
+
+    urls: list[str] = field(default_factory=list)  # running servers or a router; empty: megamu launches servers
+    num_servers: int = 1  # per node
+    tp_size: int = 1
+    api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
+    host: str = "127.0.0.1"  # where launched servers listen; another node's rank 0 needs a routable address
+    port_base: int = 30000
+    dtype: str = "float32"  # --dtype of launched servers: the export's dtype (bfloat16 when training with --bf16)
+    server_python: str | None = None  # the Python that runs sglang.launch_server (None: this one)
+    server_env: dict[str, str] = field(default_factory=dict)  # added to the launched servers' environment
+    extra_server_args: list[str] = field(default_factory=list)  # e.g. the CPU flags of shared/sglang-cpu/launch.sh
+    log_dir: str | None = None
+    startup_timeout_s: float = 600.0
+    max_concurrency: int = 256  # requests in flight over all servers
+    request_timeout_s: float = 3600.0
+    max_retries: int = 5
+    backoff_s: float = 1.0
+    shutdown_grace_s: float = 30.0
+    weight_sync: str = "disk"  # "disk" (/update_weights_from_disk) or "memory" (/update_weights_from_distributed)
+    weight_bucket_mb: float = 512.0  # bytes per broadcast of an in-memory sync
+    sync_backend: str = "gloo"  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
+    sync_master_address: str = "127.0.0.1"  # this process's address as the servers reach it
+    vocab_size: int | None = None  # None: read from the served model's config.json when it is readable here
+
+    def __post_init__(self):
+        if self.weight_sync not in ("disk", "memory"):
+            raise ValueError(f"weight_sync must be 'disk' or 'memory', not {self.weight_sync!r} (--weight-sync)")
+        if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_server_args):
+            raise ValueError("give the server dtype once, as SGLangConfig.dtype, not in the server args: it must "
+                             "match the dtype of the weights megamu exports")
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+_SIGTERM = int(signal.SIGTERM)
+
+
+def _die_with_parent() -> None:
+    """Popen preexec_fn: SIGTERM the server when the process that launched it dies, even by SIGKILL.
+
+    Servers run in their own session (so they can be stopped as a group), which also means nothing else would stop
+    them: a trainer killed by the OOM killer or a scheduler's SIGTERM would leave them holding the GPUs and the port.
+    The ctypes handle is resolved before the fork, so the child only makes one libc call. Linux ties this to the
+    launching *thread*: create the engine on a thread that lives as long as it (the main thread).
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, _SIGTERM)
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1" if host in ("0.0.0.0", "") else host, port)) == 0
+
+
+def log_tail(path: Path | None, n: int = 40) -> str:
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except (OSError, TypeError):
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM each server's process group (scheduler and detokenizer children included), then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # children may outlive the leader: kill the whole group by its id
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    procs.clear()
+
+
+def server_env(cfg: SGLangConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The launched servers' environment: ours without torchrun's variables, plus ``cfg.server_env``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in TORCHRUN_ENV and not k.startswith(TORCHRUN_ENV_PREFIXES)}
+    env.update(cfg.server_env)
+    return env
+
+
+def server_command(cfg: SGLangConfig, hf_dir: str, port: int, index: int, api_key: str) -> list[str]:
+    return [cfg.server_python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
+            "--host", cfg.host, "--port", str(port), "--tp-size", str(cfg.tp_size),
+            "--base-gpu-id", str(index * cfg.tp_size), "--dtype", cfg.dtype, "--api-key", api_key,
+            *cfg.extra_server_args]
+
+
+def advertised_host(host: str) -> str:
+    """The address other processes use to reach a server listening on ``host``."""
+    return socket.getfqdn() if host in ("0.0.0.0", "", "::") else host
+
+
+def launch_servers(cfg: SGLangConfig, hf_dir: str, api_key: str, procs: list[subprocess.Popen],
+                   log_dir: Path) -> tuple[list[str], list[Path]]:
+    """Start ``cfg.num_servers`` servers on this node, appending each process to ``procs`` as it starts (so the
+    caller can stop them even if a later one fails); returns their URLs and log files."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = server_env(cfg)
+    urls, logs = [], []
+    for i in range(cfg.num_servers):
+        port = cfg.port_base + i
+        if port_in_use(port, cfg.host):  # a leftover server there would answer /health in place of ours
+            raise PortInUse(f"port {port} (SGLang server {i}) is already in use, maybe by a server left over "
+                            "from an earlier run; stop it or choose another port_base")
+        log = log_dir / f"server_{i}.log"
+        with open(log, "w") as f:
+            # Own session: the whole server (scheduler, detokenizer children) is one process group to stop.
+            procs.append(subprocess.Popen(server_command(cfg, hf_dir, port, i, api_key), stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                          preexec_fn=_die_with_parent))
+        urls.append(f"http://{advertised_host(cfg.host)}:{port}")
+        logs.append(log)
+    return urls, logs
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def gather_node_urls(local_urls: list[str]) -> list[str]:
+    """Multi-node: every rank passes the URLs its node's local rank 0 launched (others pass []); every rank gets all
+    of them, node by node. Global rank 0 then builds ``SGLangEngine(None, config with urls=...)`` and dispatches over
+    all servers; each node's local rank 0 keeps its own ``SGLangEngine`` (or process list) to stop its servers."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return list(local_urls)
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(local_urls))
+    return [u for urls in gathered for u in (urls or [])]

@@ -1,0 +1,80 @@
+"""megamu launching SGLang servers, against a stand-in ``sglang.launch_server`` (tests/rollout/fake_sglang) that
+serves the schema server: the named Python and environment, --dtype, torchrun's variables removed, several nodes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megamu.rollout.sglang import SGLangEngine
+from megamu.rollout.sglang_server import SGLangConfig
+from megamu.rollout.types import GenerateRequest, SamplingParams
+from tests.processes import pid_alive
+from tests.torchrun import free_port, run_torchrun
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fake_env(record: Path) -> dict:
+    return {"PYTHONPATH": str(REPO / "tests" / "rollout" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
+            "FAKE_SGLANG_RECORD": str(record)}
+
+
+def test_servers_run_under_the_named_python_and_environment(tiny_llama, tmp_path, monkeypatch):
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                 "TORCHELASTIC_RUN_ID": "abc"}.items():
+        monkeypatch.setenv(k, v)  # as in a trainer rank started by torchrun
+    port = free_port()
+    cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=port, num_servers=1,
+                       dtype="bfloat16", startup_timeout_s=120, log_dir=str(tmp_path / "logs"),
+                       extra_server_args=["--device", "cpu"])
+    engine = SGLangEngine(tiny_llama, cfg)
+    try:
+        out = engine.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2))])
+        assert len(out) == 2
+        seen = json.loads((tmp_path / f"{port}.json").read_text())
+        flags = seen["argv"]
+        assert flags[flags.index("--dtype") + 1] == "bfloat16" and flags[-2:] == ["--device", "cpu"]
+        assert flags[flags.index("--api-key") + 1] == engine.api_key and flags[flags.index("--host") + 1] == "127.0.0.1"
+        env = seen["env"]
+        assert env["FAKE_SGLANG_RECORD"] == str(tmp_path)
+        assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+    finally:
+        pids = engine.pids
+        engine.shutdown()
+    assert pids and not any(pid_alive(p) for p in pids)
+
+
+def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llama, tmp_path):
+    port = free_port()
+    run_torchrun(REPO / "tests" / "rollout" / "workers" / "sglang_nodes.py", 2, tiny_llama, str(tmp_path), str(port),
+                 timeout=240, env={"PYTHONPATH": str(REPO)})
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["urls"] == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 10}"]
+    assert seen["node_urls"] == seen["urls"][:1] and seen["samples"] == 8
+    servers = [json.loads((tmp_path / f"{p}.json").read_text()) for p in (port, port + 10)]
+    # one key for all nodes, so the dispatcher is accepted everywhere
+    assert [s["argv"][s["argv"].index("--api-key") + 1] for s in servers] == [seen["api_key"]] * 2
+    assert not any(pid_alive(s["pid"]) for s in servers)
+
+
+def test_engine_flags(tmp_path):
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+
+    base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
+    cfg = parse_args(base + ["--rollout-mode", "colocated", "--sglang-python", "/v/bin/python", "--sglang-env",
+                             "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"], device=Device("cpu"))
+    e = cfg.rollout.engine
+    assert (e.weight_sync, e.dtype, e.sync_backend, e.sglang_python) == ("memory", "float32", "gloo", "/v/bin/python")
+    assert e.sglang_env == (("SGLANG_USE_CPU_ENGINE", "1"), ("PYTHONPATH", "/x/stubs"))
+    assert cfg.policy.export_dtype == "float32"
+    staged = parse_args(base, device=Device("cuda")).rollout.engine
+    assert (staged.weight_sync, staged.sync_backend) == ("disk", "nccl")
+    bf16 = parse_args(base + ["--bf16"], device=Device("cuda"))
+    assert bf16.rollout.engine.dtype == bf16.policy.export_dtype == "bfloat16"  # servers run what is exported
+    for bad, message in ((["--weight-sync", "memory"], "--weight-sync.*colocated"),
+                         (["--sglang-env", "NOEQUALS"], "--sglang-env.*NAME=VALUE")):
+        with pytest.raises(SystemExit, match=message):
+            parse_args(base + bad, device=Device("cpu"))

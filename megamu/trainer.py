@@ -38,6 +38,8 @@ class Run:
                                      elapsed_offset=elapsed)
         self.metrics.truncate(stage=self.stage, update=self.global_update)
         self.rollout = make_rollout(cfg.rollout, tokenizer, self.metrics, self.prompts.held_out)
+        if extra is not None and extra.get("rollout"):
+            self.rollout.restore(extra["rollout"])
 
     @property
     def global_update(self) -> int:
@@ -45,36 +47,46 @@ class Run:
 
     def optimise(self, stage: int, dataset: StageDataset) -> None:
         """μ updates on the static dataset D_k; checkpoints every --save-interval updates and at the stage end."""
-        from tqdm import tqdm
-
         cfg, mu = self.cfg, self.plan.mu
         batches = dataset.minibatches(self.plan.prompts_per_update, seed=cfg.seed + stage,
                                       start_update=self.update_in_stage, num_updates=mu)
         anchors = self.policy.behaviour_anchors(dataset.samples(), dataset.dir / "recomputed_logprobs.pt") \
             if cfg.recompute_behaviour_logprobs else None
-        bar = tqdm(total=mu, initial=self.update_in_stage, desc=f"optimise stage {stage}", unit="update",
-                   disable=not parallel.is_main_rank(), dynamic_ncols=True)
+        bar = self.progress_bar(f"optimise stage {stage}")
         for samples in batches:
             if anchors is not None:
                 samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
-            stats = self.policy.update(samples, cfg.algo)
-            self.update_in_stage += 1
-            if self.update_in_stage % cfg.log_interval == 0 or self.update_in_stage == mu:
-                self.metrics.log("update", step=self.global_update, stage=stage, update=self.global_update - 1, **stats)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
-                            ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
-            if self.update_in_stage == mu or (cfg.save_interval and self.update_in_stage % cfg.save_interval == 0):
-                self.checkpoint(stage)
-            if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
-                self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
-            crash_point("update", self.global_update)
+            self.train_on(samples, stage, bar)
         bar.close()
         self.stage, self.update_in_stage = stage + 1, 0
 
+    def train_on(self, samples: list, stage: int, bar, **fields) -> None:
+        """One optimiser update; its metrics record (plus ``fields``), checkpoints and exports at their intervals."""
+        cfg, mu = self.cfg, self.plan.mu
+        stats = self.policy.update(samples, cfg.algo)
+        self.update_in_stage += 1
+        if self.update_in_stage % cfg.log_interval == 0 or self.update_in_stage == mu:
+            self.metrics.log("update", step=self.global_update, stage=stage, update=self.global_update - 1, **stats,
+                             **fields)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
+                        ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
+        if self.update_in_stage == mu or (cfg.save_interval and self.update_in_stage % cfg.save_interval == 0):
+            self.checkpoint(stage)
+        if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
+            self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
+        crash_point("update", self.global_update)
+
+    def progress_bar(self, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=self.plan.mu, initial=self.update_in_stage, desc=desc, unit="update",
+                    disable=not parallel.is_main_rank(), dynamic_ncols=True)
+
     def checkpoint(self, stage: int) -> None:
         self.policy.save(self.global_update, extra={"stage": stage, "update_in_stage": self.update_in_stage,
-                                                    "elapsed": self.metrics.elapsed(), "plan": vars(self.plan)})
+                                                    "elapsed": self.metrics.elapsed(), "plan": vars(self.plan),
+                                                    "rollout": self.rollout.state()})
 
     def log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest

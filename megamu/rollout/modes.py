@@ -5,6 +5,7 @@ Every rank calls every method (weights move collectively); the engine itself run
   static dataset D_k, and shuts the engine down so its memory is free for the μ updates.
 - ``ColocatedRollout`` (the fair standard-GRPO baseline): the engine stays up between refreshes; new weights are
   pushed to it in place (in memory for the in-process engine, from an HF folder for SGLang).
+- ``AsyncRollout`` (§5.1, megamu.rollout.async_mode): an engine process generates while the trainer trains.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megamu.rollout.dataset import StageDataset
 from megamu.rollout.phase import generate_groups, run_rollout_phase
 from megamu.rollout.types import SamplingParams
 
-ROLLOUT_MODES = ("staged", "colocated")
+ROLLOUT_MODES = ("staged", "colocated", "async")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class RolloutConfig:
     groups_per_shard: int = 16
     shards_per_call: int = 1
     reward_fn: str | None = None  # module:function; None: math-verify
+    # async mode (megamu.rollout.async_mode)
+    max_policy_lag: int = 1024  # K: groups generated more than K updates ago are dropped, never trained on
+    queue_groups: int = 64  # the engine stays at most this many stored-but-unconsumed groups ahead of the trainer
+    worker_threads: int | None = None  # CPU: torch threads of the engine process (None: the device's default)
+    rollout_devices: str | None = None  # GPU: CUDA_VISIBLE_DEVICES of the engine process (its SGLang servers)
 
 
 class Rollout:
@@ -58,6 +64,13 @@ class Rollout:
     def _release(self) -> None:
         """After a stage's generation: keep the engine for the next refresh, or stop it and free its memory."""
         raise NotImplementedError
+
+    def state(self) -> dict:
+        """Rollout progress a checkpoint must carry beyond the stage counters (async mode's queue cursor)."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
 
     # -- shared
     def dataset_dir(self, stage: int) -> Path:
@@ -170,7 +183,9 @@ class ColocatedRollout(Rollout):
 
 
 def make_rollout(cfg: RolloutConfig, tokenizer, metrics: MetricsLogger, held_out: list[PromptRecord]) -> Rollout:
-    modes = {"staged": StagedRollout, "colocated": ColocatedRollout}
+    from megamu.rollout.async_mode import AsyncRollout
+
+    modes = {"staged": StagedRollout, "colocated": ColocatedRollout, "async": AsyncRollout}
     if cfg.mode not in modes:
         raise ValueError(f"unknown rollout mode {cfg.mode!r}; expected one of {ROLLOUT_MODES}")
     return modes[cfg.mode](cfg, tokenizer, metrics, held_out)

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(counted, never trained on); must be >= --weight-sync-interval")
     g.add_argument("--weight-sync-interval", type=int, default=4, help="updates between weight pushes to the engine")
     g.add_argument("--rollout-queue-groups", type=int, default=None,
-                   help="groups the engine may store ahead of the trainer (default: 2 x --prompts-per-update)")
+                   help="groups the engine may store ahead of the trainer (default: what keeps the lag within K, "
+                        "about (K - N) x --prompts-per-update)")
     g.add_argument("--rollout-devices", default=None,
                    help="GPU ids (CUDA_VISIBLE_DEVICES) of the engine process's SGLang servers; the trainer's GPUs "
                         "are torchrun's own (launch it with CUDA_VISIBLE_DEVICES set to the others)")
@@ -305,7 +306,12 @@ def check_async(args: argparse.Namespace, device: Device) -> None:
                                    f"{args.weight_sync_interval}: between syncs the engine's weights fall that far "
                                    "behind, so every sample would be dropped")
     if args.rollout_queue_groups is None:
-        args.rollout_queue_groups = 2 * args.prompts_per_update
+        # A group stored when the trainer is at version t is trained by update ≤ t + 1 + (queue + shard) / B_mini, and
+        # the engine's weights are at most N - 1 updates old: this queue keeps the lag ≤ K by back-pressure (drops
+        # remain the guarantee, for what timing slips through).
+        b_mini = args.prompts_per_update
+        fit = (args.max_policy_lag - args.weight_sync_interval) * b_mini - args.rollout_groups_per_shard
+        args.rollout_queue_groups = max(b_mini, fit)
     if args.rollout_queue_groups < args.prompts_per_update:
         _error("--rollout-queue-groups", f"must hold one update's {args.prompts_per_update} groups")
     if args.rollout_devices and not device.is_cuda and not args.dry_run:

@@ -116,6 +116,10 @@ class Run:
             print(f" {r['stage']:>5} | {r['reward_mean']:>14.3f} | {r['all_correct_fraction']:>11.2f} | "
                   f"{r['all_wrong_fraction']:>9.2f} | {r['truncation_rate']:>6.2f} | {r['t_export']:>7.1f}s |"
                   f" {r['t_rollout']:>8.1f}s | {r['t_train']:>6.1f}s")
+        last = [r for r in rows if r["kind"] == "update" and "idle_ratio" in r][-1:]
+        for r in last:  # async mode
+            print(f" async: trainer idle ratio {r['idle_ratio']:.3f}, {r['dropped_stale']} stale samples dropped, "
+                  f"{sum(x['kind'] == 'sync' for x in rows)} weight syncs")
         for r in (r for r in rows if r["kind"] == "eval"):
             print(f" held-out greedy accuracy ({r['label']}): {r['accuracy']:.3f} on {r['n']} prompts")
         for r in [r for r in rows if r["kind"] == "run"][-1:]:

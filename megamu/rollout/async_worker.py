@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import pickle
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -92,38 +93,46 @@ def run_worker(cfg: WorkerConfig) -> None:
     from megamu.rollout import build_engine
     from megamu.rollout.phase import generate_groups
 
+    print(f"[async worker {os.getpid()}] started by trainer {cfg.parent_pid}", flush=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     q, per_shard = Path(cfg.queue_dir), cfg.groups_per_shard
     lock = open(q / LOCK, "w")  # noqa: SIM115 - held for the life of the process
     fcntl.flock(lock, fcntl.LOCK_EX)  # wait for an orphaned worker to finish its shard
+    # SIGTERM (the trainer's stop) unwinds through ``finally``, so SGLang servers this engine started are shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     scorer = RewardScorer(cfg.reward_fn) if cfg.reward_fn else RewardScorer()
-    weights = read_json(q / WEIGHTS)
-    engine = build_engine(cfg.engine, weights["hf_dir"])
-    version = weights["version"]
-    write_json(q / LOADED, {"version": version, "t_reload_s": 0.0})
-    k = stored_shards(q)
-    print(f"[async worker {os.getpid()}] engine up on version {version}; next shard {k}", flush=True)
-    while os.getppid() == cfg.parent_pid:  # the trainer is gone: stop (its successor starts a new worker)
+    engine = None
+    try:
         weights = read_json(q / WEIGHTS)
-        if weights["version"] != version:
+        engine = build_engine(cfg.engine, weights["hf_dir"])
+        version = weights["version"]
+        write_json(q / LOADED, {"version": version, "t_reload_s": 0.0})
+        k = stored_shards(q)
+        print(f"[async worker {os.getpid()}] engine up on version {version}; next shard {k}", flush=True)
+        while os.getppid() == cfg.parent_pid:  # the trainer is gone: stop (its successor starts a new worker)
+            weights = read_json(q / WEIGHTS)
+            if weights["version"] != version:
+                t0 = time.monotonic()
+                engine.update_weights(hf_dir=weights["hf_dir"])
+                version = weights["version"]
+                write_json(q / LOADED, {"version": version, "t_reload_s": time.monotonic() - t0})
+            consumed = (read_json(q / CONSUMED) or {"position": 0})["position"]
+            if k * per_shard - consumed >= cfg.capacity_groups:
+                time.sleep(POLL_S)
+                continue
             t0 = time.monotonic()
-            engine.update_weights(hf_dir=weights["hf_dir"])
-            version = weights["version"]
-            write_json(q / LOADED, {"version": version, "t_reload_s": time.monotonic() - t0})
-        consumed = (read_json(q / CONSUMED) or {"position": 0})["position"]
-        if k * per_shard - consumed >= cfg.capacity_groups:
-            time.sleep(POLL_S)
-            continue
-        t0 = time.monotonic()
-        groups = generate_groups(engine, prompts_at(cfg.prompts, cfg.seed, k * per_shard, per_shard), cfg.sampling,
-                                 cfg.n_samples, scorer, cfg.tokenizer, stage=0, policy_version=version)
-        write_shard(q, k, groups, t_generate_s=time.monotonic() - t0)
-        crash_point("shard", k)  # tests: the engine process dies here, like a kill
-        k += 1
-    print(f"[async worker {os.getpid()}] trainer {cfg.parent_pid} is gone; exiting", flush=True)
-    engine.shutdown()
-    scorer.close()
+            prompts = prompts_at(cfg.prompts, cfg.seed, k * per_shard, per_shard)
+            groups = generate_groups(engine, prompts, cfg.sampling, cfg.n_samples, scorer, cfg.tokenizer, stage=0,
+                                     policy_version=version)
+            write_shard(q, k, groups, t_generate_s=time.monotonic() - t0)
+            crash_point("shard", k)  # tests: the engine process dies here, like a kill
+            k += 1
+        print(f"[async worker {os.getpid()}] trainer {cfg.parent_pid} is gone; exiting", flush=True)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        scorer.close()
 
 
 if __name__ == "__main__":

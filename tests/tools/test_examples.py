@@ -82,7 +82,8 @@ def test_example_dry_run_matches_paper(model, method, tmp_path, monkeypatch, cap
         assert (algo.clip_low, algo.clip_high, algo.veto_threshold) == (0.2, 0.2, None)
 
 
-@pytest.mark.parametrize(("method", "lag", "algorithm"), [("mu_grpo_async", 1024, "mu-grpo"), ("grpo_async", 4, "grpo")])
+@pytest.mark.parametrize(("method", "lag", "algorithm"),
+                         [("mu_grpo_async", 1024, "mu-grpo"), ("grpo_async", 4, "grpo")])
 def test_async_examples_are_table_2(method, lag, algorithm, tmp_path, monkeypatch, capsys):
     """Table 2 / App. B: 4xH200 split 2 + 2, weights synced every 4 updates, max lag (1 + 255) x 4 or 1 x 4."""
     script = EXAMPLES / "qwen2.5-math-7b" / f"run_{method}.sh"

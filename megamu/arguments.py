@@ -181,12 +181,12 @@ class Plan:
             ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
             ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
             ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"]),
-            ("rollout mode", d["rollout_mode"] + (f" (K = {self.max_policy_lag}, sync every "
-                                                  f"{self.weight_sync_interval} updates)"
-                                                  if self.rollout_mode == "async" else "")),
-            ("training precision", precision),
+            ("rollout mode", d["rollout_mode"]), ("training precision", precision),
             ("algorithm", f"{d['algorithm']} {algo.describe()}"),
         ]
+        if self.rollout_mode == "async":  # no stages: the run is --train-iters updates on a stream
+            rows = [r for r in rows if "stage" not in r[0]] + [
+                ("weight sync interval N", self.weight_sync_interval), ("max policy lag K", self.max_policy_lag)]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

@@ -83,7 +83,8 @@ def main() -> None:
         t1 = time.perf_counter()
         asyn = async_summary(run(model, Path(tmp) / "async", [
             "--rollout-mode", "async", "--train-iters", str(a.updates), "--prompts-per-update", str(b),
-            "--weight-sync-interval", str(a.sync_interval), "--max-policy-lag", str(max(mu, a.sync_interval))],
+            "--weight-sync-interval", str(a.sync_interval), "--max-policy-lag", str(max(mu, a.sync_interval)),
+            "--rollout-groups-per-shard", str(b)],  # one update per engine call
             a.eval_prompts))
         t2 = time.perf_counter()
     print(f"model {a.model}, {a.updates} updates x {b} groups x 8 samples; staged: {a.stages} stages of μ = {mu}; "

@@ -169,6 +169,8 @@ class AsyncRollout(Rollout):
         index, t0 = position // per, time.monotonic()
         if self._shard is None or self._shard[0] != index:
             path = self.queue_dir / shard_name(index)
+            if not path.exists():  # the engine must see every group passed (dropped ones too), or it may wait for us
+                write_json(self.queue_dir / CONSUMED, {"position": position})
             while not path.exists():
                 self._check_engine(path)
                 time.sleep(WAIT_POLL_S)
@@ -180,10 +182,11 @@ class AsyncRollout(Rollout):
         if self.proc is None or self.proc.poll() is None:
             return
         code, self.proc = self.proc.returncode, None
-        tail = (self.queue_dir / LOG).read_text(errors="replace")[-3000:]
+        log = self.queue_dir / LOG
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
         raise EngineProcessError(
             f"the async engine process exited with code {code} while the trainer waited for {waiting_for}; every "
-            f"stored shard is kept: rerun the same command to resume. Last lines of {self.queue_dir / LOG}:\n{tail}")
+            f"stored shard is kept: rerun the same command to resume. Last lines of {log}:\n{tail}")
 
     def _remove_unused_syncs(self, keep: Path) -> None:
         """Delete sync folders older than the one the engine serves now (it never goes back to them)."""

@@ -74,6 +74,17 @@ def test_a_dead_engine_is_a_clear_error_not_a_hang(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_the_engine_sees_dropped_groups_before_the_trainer_waits(tmp_path):
+    """Back-pressure counts dropped groups as consumed: else, with the queue full of stale groups, the engine would wait
+    for the trainer while the trainer waits for the engine."""
+    rollout = make_rollout(tmp_path, [0, 0, 0, 0], max_lag=1)
+    rollout.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(0)"])
+    with pytest.raises(EngineProcessError):
+        rollout.next_batch(version=5, groups=1)  # all four stored groups are stale; it waits for position 4
+    assert read_json(rollout.queue_dir / CONSUMED) == {"position": 4}
+    assert rollout.dropped_stale == 4 * G
+
+
 def test_queue_positions_walk_the_epoch_stream():
     prompts = [PromptRecord(prompt_id=i, prompt_ids=[i], answer=str(i), problem=str(i)) for i in range(5)]
     first, second = prompts_at(prompts, 7, 0, 5), prompts_at(prompts, 7, 5, 5)

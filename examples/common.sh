@@ -97,3 +97,31 @@ run_grpo_high_staleness() {
 run_m2po() {
     megamu_launch m2po --algorithm m2po --num-stages 4 --mu 1024 --rollout-mode staged --m2po-threshold 0.04 "$@"
 }
+
+# Asynchronous execution (§5.1, Table 2, App. B): rollout and training at once, the 4 GPUs split 2 + 2. The trainer is
+# torchrun on TRAIN_GPUS; the engine process's SGLang servers (one per GPU) run on ROLLOUT_GPUS. Weights are pushed
+# every 4 updates; the queue and the maximum policy lag K differ per method (see below).
+megamu_launch_async() {
+    local method=$1
+    shift
+    local train_gpus=${TRAIN_GPUS:-0,1} rollout_gpus=${ROLLOUT_GPUS:-2,3}
+    export CUDA_VISIBLE_DEVICES=$train_gpus
+    GPUS=$(($(tr -cd ',' <<< "$train_gpus" | wc -c) + 1))
+    local n_rollout=$(($(tr -cd ',' <<< "$rollout_gpus" | wc -c) + 1))
+    SGLANG_MEM_FRACTION=${SGLANG_MEM_FRACTION:-0.85}  # the rollout GPUs hold no trainer state
+    megamu_launch "$method" --rollout-mode async --train-iters 4096 --weight-sync-interval 4 \
+        --rollout-devices "$rollout_gpus" --sglang-num-servers "$n_rollout" \
+        --rollout-groups-per-shard 32 --rollout-shards-per-call 1 "$@"
+}
+
+# Async μ-GRPO: up to 255 sync intervals of extra staleness, a maximum lag of (1 + 255) x 4 = 1024 updates (the μ = 1024
+# staleness of the staged setting); μ-GRPO's relaxed clip and veto.
+run_mu_grpo_async() {
+    megamu_launch_async mu-grpo-async --algorithm mu-grpo --max-policy-lag 1024 \
+        --clip-low 1.0 --clip-high 4.0 --nav-threshold 1e-4 --nav-scope sequence "$@"
+}
+
+# Async GRPO: no extra staleness allowance, a maximum lag of one sync interval (4 updates); clip 0.2.
+run_grpo_async() {
+    megamu_launch_async grpo-async --algorithm grpo --max-policy-lag 4 --clip-low 0.2 --clip-high 0.2 "$@"
+}

@@ -6,13 +6,12 @@ With no flags at all the program runs the embedded default: the CPU demo (SmolLM
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.errors import ConfigError
@@ -20,6 +19,7 @@ from megamu.policy import PolicyConfig
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import ENGINE_KINDS, EngineConfig
 from megamu.rollout.modes import ROLLOUT_MODES, RolloutConfig
+from megamu.run_config import Plan, RunConfig
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")
-    g.add_argument("--num-stages", type=int, default=2)
+    g.add_argument("--num-stages", type=int, default=None, help="default 2 (or --train-iters / μ)")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="optimiser updates of the run (Megatron's name): async mode's run length; staged modes take "
+                        "it instead of --num-stages, as num_stages x μ")
     g.add_argument("--prompts-per-stage", type=int, default=None, help="B_train: prompt groups per rollout stage")
     g.add_argument("--prompts-per-update", type=int, default=None, help="B_mini: prompt groups per optimiser update")
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
@@ -105,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-shards-per-call", type=int, default=1,
                    help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
     add_engine_arguments(p)
+
+    g = p.add_argument_group("async rollout (--rollout-mode async, §5.1)")
+    g.add_argument("--max-policy-lag", type=int, default=1024,
+                   help="K: samples generated more than K updates before the update that takes them are dropped "
+                        "(counted, never trained on); must be >= --weight-sync-interval")
+    g.add_argument("--weight-sync-interval", type=int, default=4, help="updates between weight pushes to the engine")
+    g.add_argument("--rollout-queue-groups", type=int, default=None,
+                   help="groups the engine may store ahead of the trainer (default: what keeps the lag within K, "
+                        "about (K - N) x --prompts-per-update)")
+    g.add_argument("--rollout-devices", default=None,
+                   help="GPU ids (CUDA_VISIBLE_DEVICES) of the engine process's SGLang servers; the trainer's GPUs "
+                        "are torchrun's own (launch it with CUDA_VISIBLE_DEVICES set to the others)")
 
     g = p.add_argument_group("run control")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
@@ -198,80 +213,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         sglang_python=args.sglang_python, sglang_env=tuple(env), weight_sync=sync)
 
 
-@dataclass
-class Plan:
-    """The run's shape: how many stages, updates and samples (printed by --dry-run)."""
-
-    num_stages: int
-    mu: int
-    prompts_per_stage: int
-    prompts_per_update: int
-    n_samples_per_prompt: int
-    max_response_len: int
-    algorithm: str
-    rollout_mode: str
-
-    @property
-    def total_updates(self) -> int:
-        return self.num_stages * self.mu
-
-    @property
-    def samples_per_stage(self) -> int:
-        return self.prompts_per_stage * self.n_samples_per_prompt
-
-    def summary(self) -> dict:
-        """Every count the plan implies (weight syncs: one per stage, the engine's refresh)."""
-        return {**asdict(self), "updates_per_stage": self.mu, "total_updates": self.total_updates,
-                "samples_per_stage": self.samples_per_stage, "total_samples": self.num_stages * self.samples_per_stage,
-                "max_tokens_per_stage": self.samples_per_stage * self.max_response_len,
-                "weight_syncs": self.num_stages}
-
-    def describe(self, algo: AlgoConfig, precision: str) -> str:
-        d = self.summary()
-        rows = [
-            ("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
-            ("B_train (prompts per stage)", d["prompts_per_stage"]),
-            ("B_mini (prompts per update)", d["prompts_per_update"]),
-            ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
-            ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
-            ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"]),
-            ("rollout mode", d["rollout_mode"]), ("training precision", precision),
-            ("algorithm", f"{d['algorithm']} {algo.describe()}"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-    def json_line(self) -> str:
-        return "plan: " + json.dumps(self.summary())
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.trainer.Run)."""
-
-    plan: Plan
-    algo: AlgoConfig
-    device: Device
-    policy: PolicyConfig
-    rollout: RolloutConfig
-    prompts: PromptsConfig
-    save: Path
-    tensorboard_dir: str
-    seed: int
-    tensor_model_parallel_size: int
-    distributed_timeout_minutes: float | None = None
-    log_interval: int = 1
-    save_interval: int = 0
-    hf_export_interval: int = 0
-    recompute_behaviour_logprobs: bool = False
-    dry_run: bool = False
-
-    def describe(self) -> str:
-        precision = "bf16" if self.policy.bf16 else "fp32"
-        return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
-                                             f"engine {self.rollout.engine.dtype}")
-
-
 # Config fields whose flag is not "--" + the field's name with dashes.
 FLAG_OF_FIELD = {
     "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
@@ -318,6 +259,62 @@ def resolve_batch_sizes(args: argparse.Namespace) -> None:
     args.prompts_per_stage, args.prompts_per_update, args.mu = b_train, b_mini, b_train // b_mini
 
 
+def resolve_run_length(args: argparse.Namespace) -> None:
+    """Async mode: one "stage" of --train-iters updates. Staged modes: --train-iters = num_stages x μ, if given."""
+    if args.train_iters is not None and args.train_iters <= 0:
+        _error("--train-iters", f"must be a positive integer, got {args.train_iters}")
+    if args.rollout_mode == "async":
+        for flag, v in (("--num-stages", args.num_stages), ("--prompts-per-stage", args.prompts_per_stage),
+                        ("--mu", args.mu)):
+            if v is not None:
+                _error(flag, "has no meaning with --rollout-mode async (no stages): give --train-iters and "
+                             "--prompts-per-update")
+        if args.train_iters is None:
+            _error("--train-iters", "required with --rollout-mode async (the number of updates)")
+        args.prompts_per_update = args.prompts_per_update or 4
+        args.num_stages, args.mu = 1, args.train_iters
+        args.prompts_per_stage = args.train_iters * args.prompts_per_update
+        return
+    resolve_batch_sizes(args)
+    if args.train_iters is not None:
+        if args.train_iters % args.mu:
+            _error("--train-iters", f"{args.train_iters} is not a multiple of μ = {args.mu}")
+        if args.num_stages not in (None, args.train_iters // args.mu):
+            _error("--train-iters", f"{args.train_iters} contradicts --num-stages {args.num_stages} x μ = {args.mu}")
+        args.num_stages = args.train_iters // args.mu
+    args.num_stages = 2 if args.num_stages is None else args.num_stages
+    if args.num_stages <= 0:
+        _error("--num-stages", f"must be a positive integer, got {args.num_stages}")
+
+
+def check_async(args: argparse.Namespace, device: Device) -> None:
+    """Async flags: K >= N (else the engine's weights, up to N-1 updates old plus one shard, could never be fresh
+    enough and the trainer would drop everything); the queue holds at least one update's groups."""
+    if args.rollout_mode != "async":
+        return
+    for flag in ("max_policy_lag", "weight_sync_interval", "rollout_queue_groups"):
+        v = getattr(args, flag)
+        if v is not None and v <= 0:
+            _error("--" + flag.replace("_", "-"), f"must be a positive integer, got {v}")
+    if args.max_policy_lag < args.weight_sync_interval:
+        _error("--max-policy-lag", f"{args.max_policy_lag} is below --weight-sync-interval "
+                                   f"{args.weight_sync_interval}: between syncs the engine's weights fall that far "
+                                   "behind, so every sample would be dropped")
+    if args.rollout_queue_groups is None:
+        # A group stored when the trainer is at version t is trained by update ≤ t + 1 + (queue + shard) / B_mini, and
+        # the engine's weights are at most N - 1 updates old: this queue keeps the lag ≤ K by back-pressure (drops
+        # remain the guarantee, for what timing slips through).
+        b_mini = args.prompts_per_update
+        fit = (args.max_policy_lag - args.weight_sync_interval) * b_mini - args.rollout_groups_per_shard
+        args.rollout_queue_groups = max(b_mini, fit)
+    if args.rollout_queue_groups < args.prompts_per_update:
+        _error("--rollout-queue-groups", f"must hold one update's {args.prompts_per_update} groups")
+    if args.rollout_devices and not device.is_cuda and not args.dry_run:
+        _error("--rollout-devices", "needs GPUs; on CPU the engine process shares the cores with the trainer")
+    if args.behaviour_logprobs == "recompute":
+        _error("--behaviour-logprobs", "recompute needs a static dataset; async mode uses the engine's log-probs")
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """Inputs must exist before anything starts; a dry run of a cluster script on a laptop only warns."""
     missing = []
@@ -346,7 +343,7 @@ def check_device(args: argparse.Namespace, device: Device) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    positive = ["num_stages", "n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
+    positive = ["n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
                 "tensor_model_parallel_size", "max_prompt_length", "log_interval",
                 "rollout_groups_per_shard", "rollout_shards_per_call"]
     for name in positive:
@@ -370,7 +367,7 @@ def validate(args: argparse.Namespace) -> None:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
     reward_config(args)  # its errors before any path check
     check_paths(args)
-    resolve_batch_sizes(args)
+    resolve_run_length(args)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -379,6 +376,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     device = device or Device.detect()
     validate(args)
     check_device(args, device)
+    check_async(args, device)
     algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
                    veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
                    aggregation=args.loss_aggregation)
@@ -388,8 +386,12 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     save = Path(args.save)
     plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
                 prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
-                max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode)
+                max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode,
+                weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
     engine = replace(engine_config(args), sync_backend=device.backend)
+    # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
+    cpu_split = args.rollout_mode == "async" and not device.is_cuda
+    worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
     policy = PolicyConfig(
         hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
         load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,
@@ -402,7 +404,9 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         mode=args.rollout_mode, engine=engine, run_dir=save, n_samples=args.n_samples_per_prompt,
         seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
         max_new_tokens=args.rollout_max_response_len, groups_per_shard=args.rollout_groups_per_shard,
-        shards_per_call=args.rollout_shards_per_call, reward=reward_config(args))
+        shards_per_call=args.rollout_shards_per_call, reward=reward_config(args),
+        max_policy_lag=args.max_policy_lag, queue_groups=args.rollout_queue_groups or 0,
+        worker_threads=worker_threads, rollout_devices=args.rollout_devices)
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = PromptsConfig(
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
@@ -415,5 +419,6 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         tensorboard_dir=args.tensorboard_dir or str(save / "tensorboard"), seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
+        cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run)

@@ -12,8 +12,8 @@ from megamu.atomic import atomic_write_text
 
 
 class MetricsLogger:
-    """Appends records of kind "update", "stage", "eval", "sync" and "run"; every record carries ``time`` since the
-    run began.
+    """Appends records of kind "update", "stage", "eval", "sync" (weight pushes: per refresh, or async mode's per
+    interval) and "run"; every record carries ``time`` since the run began.
 
     On resume, records past the point the run resumes from are dropped first, so a resumed run's file reads as if it
     had never stopped (the replayed updates are logged again, once).
@@ -33,13 +33,16 @@ class MetricsLogger:
         return time.time() - self.t0
 
     def truncate(self, *, stage: int, update: int) -> None:
-        """Keep only what happened before (stage, update): updates < update, stages < stage, evals of earlier stages."""
+        """Keep only what happened before (stage, update): updates < update, syncs after updates <= update (the sync
+        after update N is logged as update N), stages < stage, evals of earlier stages."""
         if not self.enabled or not self.path.exists():
             return
         kept = [
             rec for rec in read_metrics(self.path.parent)
             if (rec.get("kind") == "update" and rec["update"] < update)
-            or (rec.get("kind") in ("stage", "eval", "sync") and rec["stage"] < stage)
+            or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
+            # a refresh's push is logged with its stage; async mode's, with the updates applied before it
+            or (rec.get("kind") == "sync" and (rec["stage"] < stage if "stage" in rec else rec["update"] <= update))
         ]
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 

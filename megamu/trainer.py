@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megamu import parallel
-from megamu.arguments import RunConfig
 from megamu.data.stage_prompts import Prompts
 from megamu.faults import crash_point
 from megamu.metrics import MetricsLogger, read_metrics
 from megamu.policy import Policy
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.modes import make_rollout
+from megamu.run_config import RunConfig
 
 
 class Run:
@@ -38,6 +38,8 @@ class Run:
                                      elapsed_offset=elapsed)
         self.metrics.truncate(stage=self.stage, update=self.global_update)
         self.rollout = make_rollout(cfg.rollout, tokenizer, self.metrics, self.prompts.held_out)
+        if extra is not None and extra.get("rollout"):
+            self.rollout.restore(extra["rollout"])
 
     @property
     def global_update(self) -> int:
@@ -45,46 +47,56 @@ class Run:
 
     def optimise(self, stage: int, dataset: StageDataset) -> None:
         """μ updates on the static dataset D_k; checkpoints every --save-interval updates and at the stage end."""
-        from tqdm import tqdm
-
         cfg, mu = self.cfg, self.plan.mu
         batches = dataset.minibatches(self.plan.prompts_per_update, seed=cfg.seed + stage,
                                       start_update=self.update_in_stage, num_updates=mu)
         anchors = self.policy.behaviour_anchors(dataset.samples(), dataset.dir / "recomputed_logprobs.pt") \
             if cfg.recompute_behaviour_logprobs else None
-        bar = tqdm(total=mu, initial=self.update_in_stage, desc=f"optimise stage {stage}", unit="update",
-                   disable=not parallel.is_main_rank(), dynamic_ncols=True)
+        bar = self.progress_bar(f"optimise stage {stage}")
         for samples in batches:
             if anchors is not None:
                 samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
-            stats = self.policy.update(samples, cfg.algo)
-            self.update_in_stage += 1
-            if self.update_in_stage % cfg.log_interval == 0 or self.update_in_stage == mu:
-                self.metrics.log("update", step=self.global_update, stage=stage, update=self.global_update - 1, **stats)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
-                            ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
-            if self.checkpoint_due():
-                self.checkpoint(stage)
-            if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
-                self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
-            crash_point("update", self.global_update)
+            self.train_on(samples, stage, bar)
         bar.close()
         self.stage, self.update_in_stage = stage + 1, 0
 
+    def train_on(self, samples: list, stage: int, bar, **fields) -> None:
+        """One optimiser update; its metrics record (plus ``fields``), checkpoints and exports at their intervals."""
+        cfg, mu = self.cfg, self.plan.mu
+        stats = self.policy.update(samples, cfg.algo)
+        self.update_in_stage += 1
+        if self.update_in_stage % cfg.log_interval == 0 or self.update_in_stage == mu:
+            self.metrics.log("update", step=self.global_update, stage=stage, update=self.global_update - 1, **stats,
+                             **fields)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
+                        ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
+        if self.checkpoint_due():
+            self.checkpoint(stage)
+        if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
+            self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
+        crash_point("update", self.global_update)
+
     def checkpoint_due(self) -> bool:
-        """Staged mode: every --save-interval updates of a stage and at each stage's end (a resume then skips the
-        stage). Colocated mode refreshes every μ (= 4) updates: every --save-interval updates of the run and at its
-        end, not at each refresh (1024 checkpoints in the paper's GRPO baseline)."""
+        """Staged and async mode: every --save-interval updates of a stage and at each stage's end (a resume then
+        skips the stage). Colocated mode refreshes every μ (= 4) updates: every --save-interval updates of the run
+        and at its end, not at each refresh (1024 checkpoints in the paper's GRPO baseline)."""
         cfg, mu = self.cfg, self.plan.mu
         if self.plan.rollout_mode == "colocated":
             last = self.global_update == self.plan.total_updates
             return last or bool(cfg.save_interval and self.global_update % cfg.save_interval == 0)
         return self.update_in_stage == mu or bool(cfg.save_interval and self.update_in_stage % cfg.save_interval == 0)
 
+    def progress_bar(self, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=self.plan.mu, initial=self.update_in_stage, desc=desc, unit="update",
+                    disable=not parallel.is_main_rank(), dynamic_ncols=True)
+
     def checkpoint(self, stage: int) -> None:
         self.policy.save(self.global_update, extra={"stage": stage, "update_in_stage": self.update_in_stage,
-                                                    "elapsed": self.metrics.elapsed(), "plan": vars(self.plan)})
+                                                    "elapsed": self.metrics.elapsed(), "plan": vars(self.plan),
+                                                    "rollout": self.rollout.state()})
 
     def log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest
@@ -115,6 +127,10 @@ class Run:
             print(f" {r['stage']:>5} | {r['reward_mean']:>14.3f} | {r['all_correct_fraction']:>11.2f} | "
                   f"{r['all_wrong_fraction']:>9.2f} | {r['truncation_rate']:>6.2f} | {r['t_export']:>7.1f}s |"
                   f" {r['t_rollout']:>8.1f}s | {r['t_train']:>6.1f}s")
+        last = [r for r in rows if r["kind"] == "update" and "idle_ratio" in r][-1:]
+        for r in last:  # async mode
+            print(f" async: trainer idle ratio {r['idle_ratio']:.3f}, {r['dropped_stale']} stale samples dropped, "
+                  f"{sum(x['kind'] == 'sync' for x in rows)} weight syncs")
         for r in (r for r in rows if r["kind"] == "eval"):
             print(f" held-out greedy accuracy ({r['label']}): {r['accuracy']:.3f} on {r['n']} prompts")
         for r in [r for r in rows if r["kind"] == "run"][-1:]:

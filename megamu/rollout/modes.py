@@ -7,6 +7,7 @@ Every rank calls every method (weights move collectively); the engine itself run
   pushed to it in place: in memory (the in-process engine; SGLang with --weight-sync memory, its default here, no
   per-refresh export) or from an HF folder (SGLang with --weight-sync disk). Each SGLang refresh is checked (layout,
   weight version, a teacher-forced log-prob probe) and logged as a "sync" metrics record.
+- ``AsyncRollout`` (§5.1, megamu.rollout.async_mode): an engine process generates while the trainer trains.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megamu.rollout.phase import generate_groups, run_rollout_phase
 from megamu.rollout.types import SamplingParams
 from megamu.training.checkpoint import prune_stage_export
 
-ROLLOUT_MODES = ("staged", "colocated")
+ROLLOUT_MODES = ("staged", "colocated", "async")
 PROBE_TOKENS = 32  # tokens of the first held-out prompt whose log-probs check each SGLang refresh
 
 
@@ -41,6 +42,11 @@ class RolloutConfig:
     groups_per_shard: int = 16
     shards_per_call: int = 1
     reward: RewardConfig = RewardConfig()  # math-verify unless --reward code or --reward-fn
+    # async mode (megamu.rollout.async_mode)
+    max_policy_lag: int = 1024  # K: groups generated more than K updates ago are dropped, never trained on
+    queue_groups: int = 64  # the engine stays at most this many stored-but-unconsumed groups ahead of the trainer
+    worker_threads: int | None = None  # CPU: torch threads of the engine process (None: the device's default)
+    rollout_devices: str | None = None  # GPU: CUDA_VISIBLE_DEVICES of the engine process (its SGLang servers)
 
 
 class Rollout:
@@ -63,6 +69,13 @@ class Rollout:
     def _release(self) -> None:
         """After a stage's generation: keep the engine for the next refresh, or stop it and free its memory."""
         raise NotImplementedError
+
+    def state(self) -> dict:
+        """Rollout progress a checkpoint must carry beyond the stage counters (async mode's queue cursor)."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
 
     # -- shared
     def dataset_dir(self, stage: int) -> Path:
@@ -190,7 +203,9 @@ class ColocatedRollout(Rollout):
 
 
 def make_rollout(cfg: RolloutConfig, tokenizer, metrics: MetricsLogger, held_out: list[PromptRecord]) -> Rollout:
-    modes = {"staged": StagedRollout, "colocated": ColocatedRollout}
+    from megamu.rollout.async_mode import AsyncRollout
+
+    modes = {"staged": StagedRollout, "colocated": ColocatedRollout, "async": AsyncRollout}
     if cfg.mode not in modes:
         raise ValueError(f"unknown rollout mode {cfg.mode!r}; expected one of {ROLLOUT_MODES}")
     return modes[cfg.mode](cfg, tokenizer, metrics, held_out)

@@ -84,6 +84,25 @@ def test_example_dry_run_matches_paper(model, method, tmp_path, monkeypatch, cap
         assert (algo.clip_low, algo.clip_high, algo.veto_threshold) == (0.2, 0.2, None)
 
 
+@pytest.mark.parametrize(("method", "lag", "algorithm"),
+                         [("mu_grpo_async", 1024, "mu-grpo"), ("grpo_async", 4, "grpo")])
+def test_async_examples_are_table_2(method, lag, algorithm, tmp_path, monkeypatch, capsys):
+    """Table 2 / App. B: 4xH200 split 2 + 2, weights synced every 4 updates, max lag (1 + 255) x 4 or 1 x 4."""
+    script = EXAMPLES / "qwen2.5-math-7b" / f"run_{method}.sh"
+    env, argv = _launch_argv(script, tmp_path, DRY_RUN="1")
+    assert env["WORLD_SIZE"] == "2"  # torchrun's trainer ranks: the two training GPUs
+    plan, cfg = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
+    assert (plan["rollout_mode"], plan["algorithm"], plan["max_policy_lag"]) == ("async", algorithm, lag)
+    assert (plan["total_updates"], plan["prompts_per_update"], plan["n_samples_per_prompt"]) == (4096, 32, 8)
+    assert plan["weight_sync_interval"] == 4 and plan["weight_syncs"] == 4095 // 4
+    assert cfg.rollout.rollout_devices == "2,3" and cfg.rollout.engine.sglang_num_servers == 2
+    assert cfg.rollout.engine.kind == "sglang" and cfg.tensor_model_parallel_size == 2
+    if method == "mu_grpo_async":
+        assert (1 - cfg.algo.clip_low, 1 + cfg.algo.clip_high, cfg.algo.veto_threshold) == (0.0, 5.0, 1e-4)
+    else:
+        assert (cfg.algo.clip_low, cfg.algo.clip_high, cfg.algo.veto_threshold) == (0.2, 0.2, None)
+
+
 def test_example_launch_uses_torchrun_and_overrides(tmp_path):
     script = EXAMPLES / "qwen3-1.7b-base" / "run_mu_grpo.sh"
     _, argv = _launch_argv(script, tmp_path, "--save-interval", "100", SAVE_DIR="/ckpt/x")

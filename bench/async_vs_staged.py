@@ -1,0 +1,101 @@
+"""Async μ-GRPO (§5.1, Table 2) vs staged μ-GRPO (§4), side by side in one run on the same CPU setup.
+
+Same updates, same B_mini x G samples per update, same algorithm. Staged: S stages of μ = U/S updates. Async: U
+updates with weights pushed every N updates and the lag capped at K = μ (the staged run's staleness). Prints
+wall-clock, the trainer's idle ratio (staged: export + rollout time over the trainer's time; async: time waiting for
+samples over everything else), mean policy lag (staged: update index within its stage) and final held-out accuracy.
+
+On a shared CPU the engine process and the trainer compete for the same cores, so async cannot show the paper's
+speed-up here: overlap only pays when rollout and training have devices of their own.
+
+    .venv/bin/python bench/async_vs_staged.py [--updates 16] [--stages 2] [--sync-interval 2] [--model tiny|smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megamu.tiny import save_tiny_model  # noqa: E402
+
+
+def run(model: Path | None, save: Path, flags: list[str], eval_prompts: int) -> list[dict]:
+    # the tiny random model earns no math reward: score it with the e2e tests' digit reward instead
+    task = ["--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit"] if model else []
+    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *task, "--save", str(save), "--eval-prompts",
+           str(eval_prompts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48",
+           "--micro-batch-size", "16", "--seed", "3", "--algorithm", "mu-grpo", *flags]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_accuracy(rows: list[dict]) -> float:
+    return next((r["accuracy"] for r in rows if r["kind"] == "eval" and r["label"] == "final"), float("nan"))
+
+
+def staged_summary(rows: list[dict], mu: int) -> dict:
+    stages = [r for r in rows if r["kind"] == "stage"]
+    waiting = sum(s["t_rollout"] + s["t_export"] for s in stages)
+    updates = [r for r in rows if r["kind"] == "update"]
+    return {"t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
+            "idle_ratio": waiting / max(waiting + sum(s["t_train"] for s in stages), 1e-9),
+            "mean_lag": sum(u["update"] % mu for u in updates) / len(updates),
+            "dropped_stale": 0, "final_accuracy": final_accuracy(rows)}
+
+
+def async_summary(rows: list[dict]) -> dict:
+    updates = [r for r in rows if r["kind"] == "update"]
+    return {"t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
+            "idle_ratio": updates[-1]["idle_ratio"],
+            "mean_lag": sum(u["policy_lag_mean"] for u in updates) / len(updates),
+            "dropped_stale": updates[-1]["dropped_stale"], "final_accuracy": final_accuracy(rows)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--updates", type=int, default=16)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--sync-interval", type=int, default=2)
+    p.add_argument("--prompts-per-update", type=int, default=2)
+    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="smollm2: the demo model and task")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None if a.model == "smollm2" else save_tiny_model(
+            Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4)
+        b, mu = a.prompts_per_update, a.updates // a.stages
+        t0 = time.perf_counter()
+        staged = staged_summary(run(model, Path(tmp) / "staged", [
+            "--num-stages", str(a.stages), "--prompts-per-stage", str(mu * b), "--prompts-per-update", str(b)],
+            a.eval_prompts), mu)
+        t1 = time.perf_counter()
+        asyn = async_summary(run(model, Path(tmp) / "async", [
+            "--rollout-mode", "async", "--train-iters", str(a.updates), "--prompts-per-update", str(b),
+            "--weight-sync-interval", str(a.sync_interval), "--max-policy-lag", str(max(mu, a.sync_interval)),
+            "--rollout-groups-per-shard", str(b)],  # one update per engine call
+            a.eval_prompts))
+        t2 = time.perf_counter()
+    print(f"model {a.model}, {a.updates} updates x {b} groups x 8 samples; staged: {a.stages} stages of μ = {mu}; "
+          f"async: sync every {a.sync_interval}, K = {max(mu, a.sync_interval)}; {os.cpu_count()} CPUs")
+    print(f"{'':<18}{'staged':>12}{'async':>12}{'async/staged':>14}")
+    for key in ("t_total", "idle_ratio", "mean_lag", "dropped_stale", "final_accuracy"):
+        s, g = staged[key], asyn[key]
+        ratio = f"{g / s:.2f}x" if s else "-"
+        print(f"{key:<18}{s:>12.3f}{g:>12.3f}{ratio:>14}")
+    print(f"{'process wall_s':<18}{t1 - t0:>12.1f}{t2 - t1:>12.1f}{(t2 - t1) / (t1 - t0):>13.2f}x")
+
+
+if __name__ == "__main__":
+    main()

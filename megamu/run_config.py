@@ -1,0 +1,99 @@
+"""The run's records, made from the flags by megamu.arguments: its shape (``Plan``, printed by --dry-run) and
+everything a run is built from (``RunConfig``: one config per part plus the loop's own settings)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from megamu.algo import AlgoConfig
+from megamu.data.stage_prompts import PromptsConfig
+from megamu.device import Device
+from megamu.policy import PolicyConfig
+from megamu.rollout.modes import RolloutConfig
+
+
+@dataclass
+class Plan:
+    """The run's shape: how many stages, updates and samples (printed by --dry-run)."""
+
+    num_stages: int
+    mu: int
+    prompts_per_stage: int
+    prompts_per_update: int
+    n_samples_per_prompt: int
+    max_response_len: int
+    algorithm: str
+    rollout_mode: str
+    weight_sync_interval: int = 0  # async mode: updates between weight pushes (staged modes: one per stage)
+    max_policy_lag: int | None = None  # async mode: K
+
+    @property
+    def total_updates(self) -> int:
+        return self.num_stages * self.mu
+
+    @property
+    def samples_per_stage(self) -> int:
+        return self.prompts_per_stage * self.n_samples_per_prompt
+
+    def summary(self) -> dict:
+        """Every count the plan implies (weight syncs: one per stage, or every N updates in async mode).
+
+        Async mode is one "stage" of μ = --train-iters updates: its samples are those trained on (the engine also
+        generates the groups it drops and those left in the queue at the end)."""
+        syncs = ((self.total_updates - 1) // self.weight_sync_interval if self.rollout_mode == "async"
+                 else self.num_stages)  # async: none after the last update
+        return {**asdict(self), "updates_per_stage": self.mu, "total_updates": self.total_updates,
+                "samples_per_stage": self.samples_per_stage, "total_samples": self.num_stages * self.samples_per_stage,
+                "max_tokens_per_stage": self.samples_per_stage * self.max_response_len,
+                "weight_syncs": syncs}
+
+    def describe(self, algo: AlgoConfig, precision: str) -> str:
+        d = self.summary()
+        rows = [
+            ("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
+            ("B_train (prompts per stage)", d["prompts_per_stage"]),
+            ("B_mini (prompts per update)", d["prompts_per_update"]),
+            ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
+            ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
+            ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"]),
+            ("rollout mode", d["rollout_mode"]), ("training precision", precision),
+            ("algorithm", f"{d['algorithm']} {algo.describe()}"),
+        ]
+        if self.rollout_mode == "async":  # no stages: the run is --train-iters updates on a stream
+            rows = [r for r in rows if "stage" not in r[0]] + [
+                ("weight sync interval N", self.weight_sync_interval), ("max policy lag K", self.max_policy_lag)]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+    def json_line(self) -> str:
+        return "plan: " + json.dumps(self.summary())
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.trainer.Run)."""
+
+    plan: Plan
+    algo: AlgoConfig
+    device: Device
+    policy: PolicyConfig
+    rollout: RolloutConfig
+    prompts: PromptsConfig
+    save: Path
+    tensorboard_dir: str
+    seed: int
+    tensor_model_parallel_size: int
+    distributed_timeout_minutes: float | None = None
+    cpu_threads: int | None = None  # CPU async mode: the trainer's torch threads (the engine process has the rest)
+    log_interval: int = 1
+    save_interval: int = 0
+    hf_export_interval: int = 0
+    recompute_behaviour_logprobs: bool = False
+    dry_run: bool = False
+
+    def describe(self) -> str:
+        precision = "bf16" if self.policy.bf16 else "fp32"
+        return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
+                                             f"engine {self.rollout.engine.dtype}")

@@ -1,6 +1,9 @@
 """Process checks shared by tests that must prove no worker or server outlives its owner."""
 
+import contextlib
 import os
+import signal
+import subprocess
 
 
 def pid_alive(pid: int) -> bool:
@@ -13,3 +16,19 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def run_owned(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on a timeout, or when the test
+    itself is interrupted (pytest-timeout, Ctrl-C), the whole process tree is killed, not only ``cmd``. torchrun's
+    ranks would otherwise outlive a killed launcher, holding a barrier and two cores until the machine is rebooted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.processes import run_owned
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,7 +34,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
     ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+        proc = run_owned(cmd, timeout=timeout, env=full_env)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"torchrun {script} timed out after {timeout}s:\n{(e.stdout or '')[-4000:]}") from e
     if proc.returncode != 0:

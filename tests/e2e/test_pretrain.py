@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from safetensors.torch import load_file
 
 from megamu.arguments import parse_args
 from megamu.tiny import save_tiny_model
+from tests.processes import run_owned
 from tests.torchrun import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: b
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

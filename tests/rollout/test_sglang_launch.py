@@ -69,11 +69,14 @@ def test_engine_flags(tmp_path):
     e = cfg.rollout.engine
     assert (e.weight_sync, e.dtype, e.sync_backend, e.sglang_python) == ("memory", "float32", "gloo", "/v/bin/python")
     assert e.sglang_env == (("SGLANG_USE_CPU_ENGINE", "1"), ("PYTHONPATH", "/x/stubs"))
-    assert cfg.policy.export_dtype == "float32"
+    assert cfg.policy.export_dtype is None  # the training precision (Policy.export_dtype)
     staged = parse_args(base, device=Device("cuda")).rollout.engine
     assert (staged.weight_sync, staged.sync_backend) == ("disk", "nccl")
     bf16 = parse_args(base + ["--bf16"], device=Device("cuda"))
-    assert bf16.rollout.engine.dtype == bf16.policy.export_dtype == "bfloat16"  # servers run what is exported
+    assert bf16.rollout.engine.dtype == "bfloat16"  # servers run what is exported: the training precision
+    assert "HF exports bf16, engine bfloat16" in bf16.describe()
+    fp16 = parse_args(base + ["--bf16", "--export-dtype", "fp16"], device=Device("cuda"))
+    assert fp16.policy.export_dtype == "fp16" and "HF exports fp16" in fp16.describe()
     for bad, message in ((["--weight-sync", "memory"], "--weight-sync.*colocated"),
                          (["--sglang-env", "NOEQUALS"], "--sglang-env.*NAME=VALUE")):
         with pytest.raises(SystemExit, match=message):

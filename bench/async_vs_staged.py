@@ -14,9 +14,7 @@ speed-up here: overlap only pays when rollout and training have devices of their
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,18 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megamu.tiny import save_tiny_model  # noqa: E402
-
-
-def run(model: Path | None, save: Path, flags: list[str], eval_prompts: int) -> list[dict]:
-    # the tiny random model earns no math reward: score it with the e2e tests' digit reward instead
-    task = ["--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit"] if model else []
-    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *task, "--save", str(save), "--eval-prompts",
-           str(eval_prompts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48",
-           "--micro-batch-size", "16", "--seed", "3", "--algorithm", "mu-grpo", *flags]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+from bench.staged_vs_standard import bench_model, trainer_rows  # noqa: E402
 
 
 def final_accuracy(rows: list[dict]) -> float:
@@ -72,17 +59,17 @@ def main() -> None:
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="smollm2: the demo model and task")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = None if a.model == "smollm2" else save_tiny_model(
-            Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4)
+        model = bench_model(Path(tmp), a.model, a.hidden)
         b, mu = a.prompts_per_update, a.updates // a.stages
         t0 = time.perf_counter()
-        staged = staged_summary(run(model, Path(tmp) / "staged", [
-            "--num-stages", str(a.stages), "--prompts-per-stage", str(mu * b), "--prompts-per-update", str(b)],
+        staged = staged_summary(trainer_rows(model, Path(tmp) / "staged", [
+            "--algorithm", "mu-grpo", "--num-stages", str(a.stages), "--prompts-per-stage", str(mu * b),
+            "--prompts-per-update", str(b)],
             a.eval_prompts), mu)
         t1 = time.perf_counter()
-        asyn = async_summary(run(model, Path(tmp) / "async", [
-            "--rollout-mode", "async", "--train-iters", str(a.updates), "--prompts-per-update", str(b),
+        asyn = async_summary(trainer_rows(model, Path(tmp) / "async", [
+            "--algorithm", "mu-grpo", "--rollout-mode", "async", "--train-iters", str(a.updates),
+            "--prompts-per-update", str(b),
             "--weight-sync-interval", str(a.sync_interval), "--max-policy-lag", str(max(mu, a.sync_interval)),
             "--rollout-groups-per-shard", str(b)],  # one update per engine call
             a.eval_prompts))

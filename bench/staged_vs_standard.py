@@ -23,17 +23,30 @@ sys.path.insert(0, str(REPO))
 from megamu.tiny import save_tiny_model  # noqa: E402
 
 
-def run(model: Path | None, save: Path, flags: list[str]) -> dict:
+def trainer_rows(model: Path | None, save: Path, flags: list[str], eval_prompts: int = 0) -> list[dict]:
+    """Run pretrain_mu_grpo.py to completion in a subprocess; its metrics records."""
     # the tiny random model earns no math reward: score it with the e2e tests' digit reward instead
     task = ["--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit"] if model else []
-    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *task, "--save", str(save), "--eval-prompts", "0",
-           "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48", "--micro-batch-size", "16",
-           "--seed", "3", *flags]
+    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *task, "--save", str(save), "--eval-prompts",
+           str(eval_prompts), "--n-samples-per-prompt", "8", "--rollout-max-response-len", "48",
+           "--micro-batch-size", "16", "--seed", "3", *flags]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
-    t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+def bench_model(tmp: Path, kind: str, hidden: int) -> Path | None:
+    """``tiny``: a random 4-layer llama of width ``hidden`` (scored by the digit reward); ``smollm2``: the demo's."""
+    if kind == "smollm2":
+        return None
+    return save_tiny_model(tmp / "model", "llama", hidden_size=hidden, intermediate_size=hidden * 3,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+
+
+def run(model: Path | None, save: Path, flags: list[str]) -> dict:
+    t0 = time.perf_counter()
+    rows = trainer_rows(model, save, flags)
     wall = time.perf_counter() - t0
-    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     stages = [r for r in rows if r["kind"] == "stage"]
     return {
         "wall_s": wall,
@@ -55,9 +68,7 @@ def main() -> None:
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="smollm2: the demo model and task")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = None if a.model == "smollm2" else save_tiny_model(
-            Path(tmp) / "model", "llama", hidden_size=a.hidden, intermediate_size=a.hidden * 3, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4)
+        model = bench_model(Path(tmp), a.model, a.hidden)
         b = a.prompts_per_update
         mu = a.updates // a.stages
         staged = run(model, Path(tmp) / "staged", ["--algorithm", "mu-grpo", "--num-stages", str(a.stages),

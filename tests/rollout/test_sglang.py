@@ -18,13 +18,6 @@ from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
 
 
-@pytest.fixture
-def server(tiny_llama):
-    srv = SchemaServer(LocalEngine(tiny_llama))
-    yield srv
-    srv.close()
-
-
 def _client(server, **kw):
     kw = dict(dict(api_key="secret", backoff_s=0.05, max_retries=3, max_concurrency=4), **kw)
     return make_engine("sglang", None, urls=[server.url], **kw)

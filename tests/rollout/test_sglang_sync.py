@@ -18,14 +18,6 @@ from megamu.rollout.sglang_sync import (
 )
 from megamu.rollout.types import GenerateRequest, PromptError, SamplingParams
 from megamu.tiny import save_tiny_model
-from tests.rollout.schema_server import SchemaServer
-
-
-@pytest.fixture
-def server(tiny_llama):
-    srv = SchemaServer(LocalEngine(tiny_llama))
-    yield srv
-    srv.close()
 
 
 def _client(server, **kw):

@@ -42,9 +42,12 @@ class Plan:
 
         Async mode is one "stage" of μ = --train-iters updates: its samples are those trained on (the engine also
         generates the groups it drops and those left in the queue at the end)."""
-        syncs = ((self.total_updates - 1) // self.weight_sync_interval if self.rollout_mode == "async"
-                 else self.num_stages)  # async: none after the last update
-        return {**asdict(self), "updates_per_stage": self.mu, "total_updates": self.total_updates,
+        is_async = self.rollout_mode == "async"
+        syncs = (self.total_updates - 1) // self.weight_sync_interval if is_async else self.num_stages  # async: none
+        # after the last update; its N and K mean nothing to the staged modes
+        fields = {k: v for k, v in asdict(self).items()
+                  if is_async or k not in ("weight_sync_interval", "max_policy_lag")}
+        return {**fields, "updates_per_stage": self.mu, "total_updates": self.total_updates,
                 "samples_per_stage": self.samples_per_stage, "total_samples": self.num_stages * self.samples_per_stage,
                 "max_tokens_per_stage": self.samples_per_stage * self.max_response_len,
                 "weight_syncs": syncs}

@@ -15,6 +15,7 @@ It writes the report (--report, default OUT/fidelity.md) and its PNG figures in 
 whose run directory already holds a finished run is read back, not rerun (rerun the command to complete a stopped
 run; a half-finished directory is an error: remove it). The full run documented in docs/fidelity.md:
 
+    OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --sweep --out /tmp/fid-sweep --sweep-lrs 1e-4 3e-4 3e-5 1e-5
     OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --out /tmp/fidelity --report docs/fidelity.md \\
         --sweep-dir /tmp/fid-sweep
 
@@ -55,11 +56,12 @@ class Method:
     note: str = ""
 
 
+# In run order: the drift ablation and its cure first, so that a run stopped early has answered the main question.
 METHODS = (
-    Method("grpo-mu4", "grpo", low_staleness=True, note="standard GRPO, clip [0.8, 1.2], colocated"),
-    Method("grpo-high-staleness", "grpo-high-staleness", note="clip [0.8, 1.2], staged"),
     Method("grpo-relaxed", "grpo-relaxed", note="clip [0, 5], no veto"),
     Method("mu-grpo", "mu-grpo", note="clip [0, 5] + veto S_seq, τ = 1e-4"),
+    Method("grpo-high-staleness", "grpo-high-staleness", note="clip [0.8, 1.2], staged"),
+    Method("grpo-mu4", "grpo", low_staleness=True, note="standard GRPO, clip [0.8, 1.2], colocated"),
     Method("m2po", "m2po", note="no upper clip, second-moment mask 0.04"),
     Method("mu-grpo-trigger", "mu-grpo", ("--nav-scope", "trigger"), note="clip [0, 5] + veto T (trigger tokens)"),
     Method("mu-grpo-nontrigger-suffix", "mu-grpo", ("--nav-scope", "nontrigger_suffix"),
@@ -114,9 +116,9 @@ def run_sweep(a: argparse.Namespace, extra: list[str]) -> None:
     method = BY_LABEL["grpo-relaxed"]
     s = schedule(method, a)
     s.eval_prompts = 0
-    shared = None
-    for lr in a.sweep_lrs:
-        save = a.out / f"grpo-relaxed-lr{lr:g}"
+    saves = [a.out / f"grpo-relaxed-lr{lr:g}" for lr in a.sweep_lrs]
+    shared = next((d / "rollouts" / "stage_0" for d in saves if finished(d)), None)
+    for lr, save in zip(a.sweep_lrs, saves):
         if finished(save):
             print(f"[sweep lr {lr:g}] finished run found in {save}", flush=True)
         else:
@@ -141,7 +143,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--prompts-per-update", type=int, default=4)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
     p.add_argument("--eval-prompts", type=int, default=100, help="held-out problems for the greedy accuracy")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-4, help="the sweep's choice (docs/fidelity.md)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-share-rollout", action="store_true", help="every staged method generates its own stage 0")
     p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep into --out instead")

@@ -143,12 +143,13 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--prompts-per-update", type=int, default=4)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
     p.add_argument("--eval-prompts", type=int, default=100, help="held-out problems for the greedy accuracy")
-    p.add_argument("--lr", type=float, default=3e-4, help="the sweep's choice (docs/fidelity.md)")
+    p.add_argument("--lr", type=float, default=1e-4, help="the choice documented in docs/fidelity.md")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-share-rollout", action="store_true", help="every staged method generates its own stage 0")
     p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep into --out instead")
     p.add_argument("--sweep-lrs", type=float, nargs="+", default=[1e-4, 3e-5, 1e-5])
     p.add_argument("--sweep-dir", type=Path, default=None, help="a --sweep output to include in the report")
+    p.add_argument("--notes", type=Path, default=None, help="a hand-written markdown reading, included as is")
     a, extra = p.parse_known_args(argv)
     if a.quick:
         a.mu, a.num_stages, a.low_mu = 2, 1, 1

@@ -17,7 +17,9 @@ run; a half-finished directory is an error: remove it). The full run documented 
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --sweep --out /tmp/fid-sweep --sweep-lrs 1e-4 3e-4 3e-5 1e-5
     OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --out /tmp/fidelity --report docs/fidelity.md \\
-        --sweep-dir /tmp/fid-sweep
+        --sweep-dir /tmp/fid-sweep --lr 1e-4 --notes docs/fidelity/reading.md
+
+(about 45 min on one core of the 2-core machine the report names; the sweep about 10 min.)
 
 ``--quick`` runs 2 updates per method (a smoke run: the suite runs it on a tiny model). ``--sweep`` runs the
 learning-rate sweep instead (grpo-relaxed at each --sweep-lrs, evaluation off) into --out; pass that folder as

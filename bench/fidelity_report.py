@@ -179,9 +179,18 @@ def verdicts(runs: list[MethodRun]) -> list[str]:
     return out
 
 
+def _log_ratio_axis(ax) -> None:
+    """Log scale with plain labels at 1, 2, 3, 5, 7 x 10^k (ratios from ~0.1 to ~10)."""
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def figure(runs: list[MethodRun], labels: tuple[str, ...], path: Path, title: str) -> bool:
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -196,8 +205,7 @@ def figure(runs: list[MethodRun], labels: tuple[str, ...], path: Path, title: st
             ax.plot(range(1, len(ys) + 1), ys, marker=".", markersize=4, linewidth=1.2, label=r.label)
         if key == "ratio_neg_adv_mean":
             ax.axhline(1.0, color="grey", linewidth=0.6)
-            ax.set_yscale("log")  # a drift to 0.2 and a spike to 6 on one panel
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            _log_ratio_axis(ax)  # a drift to 0.2 and a spike to 6 on one panel
         if key == "log_ratio_min":
             ax.axhline(LOG_TAU, color="grey", linewidth=0.6, linestyle="--")
         ax.set_title(name, fontsize=9)
@@ -278,7 +286,6 @@ def sweep_section(sweep_dir: Path, fig_dir: Path, lr: float, mu: int) -> list[st
                      f"{_fmt(r.extreme('approx_kl', max), '.3f')} | "
                      f"{' '.join(f'{x:.2f}' for x in r.summary['stage_rewards'])} |")
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -288,8 +295,7 @@ def sweep_section(sweep_dir: Path, fig_dir: Path, lr: float, mu: int) -> list[st
         for ax, key in zip(axes, ("ratio_neg_adv_mean", "log_ratio_min", "approx_kl")):
             ys = r.series[key]
             ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"lr {lr:g}")
-    axes[0].set_yscale("log")
-    axes[0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _log_ratio_axis(axes[0])
     for ax, (_, name) in zip(axes, [p for p in PANELS if p[0] in ("ratio_neg_adv_mean", "log_ratio_min",
                                                                     "approx_kl")]):
         ax.set_title(f"grpo-relaxed: {name}", fontsize=9)

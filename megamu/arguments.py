@@ -411,7 +411,9 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     prompts = PromptsConfig(
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
         held_out=args.eval_prompts, seed=args.seed, data_dir=save / "data",
-        builtin_rows=args.num_stages * args.prompts_per_stage + args.eval_prompts if builtin else 0,
+        # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
+        builtin_rows=max(args.num_stages * args.prompts_per_stage, args.eval_prompts) + args.eval_prompts
+        if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows)
     return RunConfig(

@@ -101,3 +101,16 @@ def test_addition_problems():
         assert r["answer"] == str(a + b)
     ones = addition_problems(100, seed=0, digits=1)
     assert {int(x) for r in ones for x in re.findall(r"\d+", r["problem"])} <= set(range(10))
+
+
+def test_builtin_task_holds_out_every_eval_prompt_when_training_uses_fewer(tmp_path, tok):
+    from megamu.arguments import parse_args
+    from megamu.data.stage_prompts import Prompts
+
+    # 1 stage x 12 updates x 4 prompts = 48 training prompts, fewer than the 100 held-out problems asked for
+    cfg = parse_args(["--save", str(tmp_path / "run"), "--num-stages", "1", "--mu", "12", "--prompts-per-update", "4",
+                      "--eval-prompts", "100"])
+    prompts = Prompts(cfg.prompts, tok)
+    assert len(prompts.held_out) == 100
+    assert len(prompts.for_stage(0)) == 48
+    assert not {p.problem for p in prompts.held_out} & {p.problem for p in prompts.train}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 from megamu.tiny import save_tiny_model
+from tests.processes import run_owned
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS = ["grpo-mu4", "mu-grpo", "mu-grpo-trigger"]
@@ -32,7 +32,7 @@ def test_fidelity_quick_writes_a_report_from_the_runs_metrics(tmp_path):
            "--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit",
            "--rollout-max-response-len", "12", "--micro-batch-size", "4"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_owned(cmd, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = (out / "fidelity.md").read_text()
 
@@ -72,6 +72,6 @@ def test_fidelity_quick_writes_a_report_from_the_runs_metrics(tmp_path):
         assert f"(fidelity/{name})" in report
 
     # a rerun reads the finished runs back instead of training again
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    again = run_owned(cmd, cwd=REPO, env=env, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert again.stdout.count("finished run found") == len(METHODS)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 from megamu.tiny import save_tiny_model
+from tests.processes import run_owned
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_learning_bench_reports_each_presets_greedy_accuracy_before_and_after(tm
            "--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit",
            "--rollout-max-response-len", "12", "--micro-batch-size", "4", "--lr", "1e-3"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_owned(cmd, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     rows = {m.group(1): m for m in re.finditer(

@@ -33,15 +33,15 @@ class MetricsLogger:
         return time.time() - self.t0
 
     def truncate(self, *, stage: int, update: int) -> None:
-        """Keep only what happened before (stage, update): updates < update, syncs after updates <= update (the sync
-        after update N is logged as update N), stages < stage, evals of earlier stages."""
+        """Keep only what happened before (stage, update): updates < update, stages < stage, evals of earlier stages,
+        syncs of earlier stages (a refresh's, logged with its stage) or after updates <= update (async mode's: the
+        sync after update N is logged as update N)."""
         if not self.enabled or not self.path.exists():
             return
         kept = [
             rec for rec in read_metrics(self.path.parent)
             if (rec.get("kind") == "update" and rec["update"] < update)
             or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
-            # a refresh's push is logged with its stage; async mode's, with the updates applied before it
             or (rec.get("kind") == "sync" and (rec["stage"] < stage if "stage" in rec else rec["update"] <= update))
         ]
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))

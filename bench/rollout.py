@@ -3,12 +3,15 @@
 1. LocalEngine tokens/s vs bare ``model.generate`` on the same prompts and model (goal: ratio >= 0.9):
    - greedy: both produce the same tokens, so the work is identical;
    - sampled at T=1 forced to full length (EOS ignored by both), n=1 and n=8 samples per prompt.
-2. The CPU demo's rollout (n=8 per prompt, T=1, natural stop, batches of 64), samples/s before and after the sampler
-   change (the old ``sample_tokens`` is kept below as the reference); the samples must be identical.
+2. The CPU demo's rollout shard (16 prompts x 8 samples, T=1, natural stop) and its held-out greedy evaluation
+   (100 prompts): samples/s of the engine as issue 16 found it ("before": old ``sample_tokens``, kept below as the
+   reference; every prompt prefilled whole; transformers' concatenating KV cache; batches of 64), then with each lever
+   added in turn, and how many samples stay token-identical (fp32 logits change in the last bits with the batch
+   shape and the prefill split, which can move a sampled token that sits on a CDF boundary).
 3. ``score_batch`` items/s with the worker pool vs ``math_score`` in one process.
 
     python bench/rollout.py [--model tiny|smollm2] [--prompts 32] [--new-tokens 64] [--threads 2]
-                            [--demo-prompts 8] [--skip-generation] [--skip-scoring]
+                            [--demo-prompts 16] [--eval-prompts 100] [--skip-generation] [--skip-scoring]
 """
 
 from __future__ import annotations
@@ -120,33 +123,68 @@ def before_sample_tokens(logits, temperature, top_k, top_p, uniforms):
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
-def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], repeats: int) -> None:
-    """The demo's rollout shape, before vs after, interleaved; best samples per CPU-second and per wall second."""
-    engine = LocalEngine(hf_dir, max_batch_size=64)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0)
-    requests = [GenerateRequest(i, p, sp) for i, p in enumerate(prompts)]
-    after = local.sample_tokens
-    best = {"before": [0.0, 0.0], "after": [0.0, 0.0]}
-    outputs = {}
-    for _ in range(repeats):
-        for name, sampler in (("before", before_sample_tokens), ("after", after)):
-            local.sample_tokens = sampler
-            try:
-                t0, c0 = time.perf_counter(), time.process_time()
-                out = engine.generate(requests)
-                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            finally:
-                local.sample_tokens = after
-            best[name] = [max(best[name][0], len(out) / dt), max(best[name][1], len(out) / cpu)]
-            outputs[name] = [(s.output_ids, s.output_logprobs) for s in out]
-    same = outputs["before"] == outputs["after"]
-    n_tok = sum(len(ids) for ids, _ in outputs["after"])
-    print(f"\n== demo rollout: {len(prompts)} prompts x 8 samples, T=1, natural stop ({n_tok / len(out):.1f} "
-          f"tokens/sample), batches of 64, {torch.get_num_threads()} threads")
-    for name, (wall, cpu) in best.items():
-        print(f"  {name:7s} {wall:6.2f} samples/s | {cpu:6.2f} samples per CPU-second")
-    print(f"  ratio after/before: {best['after'][0] / best['before'][0]:.2f} (per CPU-second: "
-          f"{best['after'][1] / best['before'][1]:.2f}); samples and log-probs identical: {same}")
+def _plain_cache(config, spare):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+# The engine as issue 16 found it, then each of its levers added in turn (cumulative). Each entry: (sampler, prefix
+# sharing across prompts, in-place KV appends, max batch size).
+LEVERS = [
+    ("before", before_sample_tokens, False, False, 64),
+    ("+ sampler", local.sample_tokens, False, False, 64),
+    ("+ shared prefix", local.sample_tokens, True, False, 64),
+    ("+ in-place KV", local.sample_tokens, True, True, 64),
+    ("+ batch 128 (now)", local.sample_tokens, True, True, 128),
+]
+
+
+def _run_lever(engine, requests, lever):
+    _, sampler, share, append, batch = lever
+    saved = local.sample_tokens, local.shared_prefix_length, local.append_cache
+    local.sample_tokens = sampler
+    local.shared_prefix_length = saved[1] if share else (lambda prompts: 0)
+    local.append_cache = saved[2] if append else _plain_cache
+    engine.max_batch_size = batch
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = engine.generate(requests)
+        return out, time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        local.sample_tokens, local.shared_prefix_length, local.append_cache = saved
+
+
+def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], eval_prompts: list[list[int]], repeats: int) -> None:
+    """The demo's rollout shard and held-out evaluation, each lever added in turn, interleaved; best of ``repeats``."""
+    engine = LocalEngine(hf_dir)
+    cases = {
+        f"rollout shard: {len(prompts)} prompts x 8, T=1": [
+            GenerateRequest(i, p, SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0))
+            for i, p in enumerate(prompts)],
+        f"greedy evaluation: {len(eval_prompts)} prompts x 1": [
+            GenerateRequest(i, p, SamplingParams(temperature=0.0, max_new_tokens=64, n=1))
+            for i, p in enumerate(eval_prompts)],
+    }
+    for case, requests in cases.items():
+        best, outputs = {}, {}
+        for _ in range(repeats):
+            for lever in LEVERS:
+                out, dt, cpu = _run_lever(engine, requests, lever)
+                old = best.get(lever[0], (0.0, 0.0))
+                best[lever[0]] = (max(old[0], len(out) / dt), max(old[1], len(out) / cpu))
+                outputs[lever[0]] = out
+        ref = outputs["before"]
+        print(f"\n== demo {case}, natural stop, max 64 new tokens, {torch.get_num_threads()} threads "
+              f"(prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens)")
+        for name, (wall, cpu) in best.items():
+            out = outputs[name]
+            same = [a.output_ids == b.output_ids for a, b in zip(ref, out)]
+            dlp = max((abs(x - y) for a, b, s in zip(ref, out, same) if s
+                       for x, y in zip(a.output_logprobs, b.output_logprobs)), default=0.0)
+            print(f"  {name:18s} {wall:6.2f} samples/s ({wall / best['before'][0]:.2f}x) | {cpu:6.2f} per CPU-s "
+                  f"({cpu / best['before'][1]:.2f}x) | {sum(same)}/{len(same)} samples as before, "
+                  f"max |log-prob diff| {dlp:.1e}")
 
 
 def bench_scoring(n_items: int, workers: int) -> None:
@@ -190,7 +228,9 @@ def main() -> None:
     ap.add_argument("--score-workers", type=int, default=2)
     ap.add_argument("--skip-scoring", action="store_true")
     ap.add_argument("--skip-generation", action="store_true", help="skip the comparison with model.generate")
-    ap.add_argument("--demo-prompts", type=int, default=8, help="prompts for the demo-rollout case (0: skip it)")
+    ap.add_argument("--demo-prompts", type=int, default=16,
+                    help="prompts of the demo-rollout case, 8 samples each (16: one demo shard; 0: skip the case)")
+    ap.add_argument("--eval-prompts", type=int, default=100, help="greedy prompts of the demo-evaluation case")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -214,7 +254,10 @@ def main() -> None:
         if not args.skip_generation:
             bench_generation(hf_dir, prompts, args.new_tokens, args.repeats)
         if args.demo_prompts:
-            bench_demo_rollout(hf_dir, prompts[: args.demo_prompts], args.repeats)
+            f.write_text("\n".join(json.dumps(r) for r in addition_problems(args.eval_prompts, seed=1)))
+            held_out = [p.prompt_ids for p in load_prompts([str(f)], tok, instruction=DEMO_INSTRUCTION,
+                                                           few_shot=DEMO_FEW_SHOT)]
+            bench_demo_rollout(hf_dir, prompts[: args.demo_prompts], held_out, args.repeats)
     if not args.skip_scoring:
         bench_scoring(args.score_items, args.score_workers)
 

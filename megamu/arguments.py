@@ -131,7 +131,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's flags, one spelling for the trainer and tools/evaluate.py (read back by ``engine_config``)."""
     g = p.add_argument_group("rollout engine")
     g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default="local")
-    g.add_argument("--rollout-batch-size", type=int, default=64, help="local engine: sequences decoded together")
+    g.add_argument("--rollout-batch-size", type=int, default=128, help="local engine: sequences decoded together")
     g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")

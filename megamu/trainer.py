@@ -6,6 +6,7 @@ optimiser, checkpoints, exports), the rollout (engine lifecycle, one class per m
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from megamu import parallel
@@ -23,6 +24,7 @@ class Run:
         from transformers import AutoTokenizer
 
         self.cfg, self.plan = cfg, cfg.plan
+        self.eta_shown = False
         self.policy = Policy(cfg.policy)
         tokenizer = AutoTokenizer.from_pretrained(self.policy.hf_source)
         self.prompts = Prompts(cfg.prompts, tokenizer)
@@ -56,7 +58,10 @@ class Run:
         for samples in batches:
             if anchors is not None:
                 samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
+            t0 = time.perf_counter()
             self.train_on(samples, stage, bar)
+            if not self.eta_shown:
+                self.show_eta(stage, dataset, time.perf_counter() - t0, bar)
         bar.close()
         self.stage, self.update_in_stage = stage + 1, 0
 
@@ -76,6 +81,18 @@ class Run:
         if cfg.hf_export_interval and self.global_update % cfg.hf_export_interval == 0:
             self.policy.export(f"iter_{self.global_update:07d}")  # for evaluate.py --run
         crash_point("update", self.global_update)
+
+    def show_eta(self, stage: int, dataset: StageDataset, t_update: float, bar) -> None:
+        """After this process's first update: the rest of the run, from this stage's rollout and that update."""
+        self.eta_shown = True
+        stages_left = self.plan.num_stages - stage - 1
+        updates_left = self.plan.total_updates - self.global_update
+        t_rollout, t_eval = dataset.manifest.t_rollout_s, self.rollout.t_eval
+        eta = updates_left * t_update + stages_left * t_rollout + t_eval
+        if parallel.is_main_rank():
+            bar.write(f"[eta] about {eta / 60:.1f} min more for the run on this machine: {updates_left} updates at "
+                      f"~{t_update:.1f}s, {stages_left} more rollouts at ~{t_rollout:.0f}s (this stage's)"
+                      + (f", a final evaluation at ~{t_eval:.0f}s" if t_eval else ""))
 
     def checkpoint_due(self) -> bool:
         """Staged and async mode: every --save-interval updates of a stage and at each stage's end (a resume then

@@ -18,7 +18,7 @@ class EngineConfig:
 
     kind: str = "local"
     dtype: str = "float32"  # the engine's weights: local engine's, SGLang servers' --dtype, and the HF exports'
-    max_batch_size: int = 64  # local engine: sequences decoded together
+    max_batch_size: int = 128  # local engine: sequences decoded together
     sglang_urls: tuple[str, ...] = ()  # running servers or a router; empty: launch servers
     sglang_num_servers: int = 1
     sglang_tp_size: int = 1

@@ -12,6 +12,7 @@ Every rank calls every method (weights move collectively); the engine itself run
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class Rollout:
         self.engine: Engine | None = None  # rank 0 only
         self.scorer = None  # rank 0 only, created with the first engine
         self.hf_dir: Path | None = None  # the folder the next engine starts from
+        self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
 
     # -- what each mode decides
     def sync(self, policy, stage: int) -> None:
@@ -141,7 +143,9 @@ class Rollout:
     def _evaluate(self, engine: Engine, *, stage: int, label: str) -> float:
         """Greedy accuracy on the held-out prompts (the demo's before/after number)."""
         greedy = replace(self.sampling(stage), temperature=1.0, top_k=1, seed=0)
+        t0 = time.perf_counter()
         groups = generate_groups(engine, self.held_out, greedy, 1, self._scorer(), self.tokenizer, stage=stage)
+        self.t_eval = time.perf_counter() - t0
         acc = sum(g[0].reward for g in groups) / max(len(groups), 1)
         self.metrics.log("eval", stage=stage, label=label, accuracy=acc, n=len(groups))
         print(f"[eval] {label}: greedy accuracy {acc:.3f} on {len(groups)} held-out prompts", flush=True)

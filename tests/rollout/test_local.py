@@ -6,9 +6,11 @@ from megamu.rollout.local import LocalEngine, sample_tokens
 from megamu.rollout.types import GenerateRequest, SamplingParams
 
 
-def _requests(sampling, lengths=(3, 11, 6, 17)):
-    # Different prompt lengths so left padding and position ids matter.
-    return [GenerateRequest(100 + i, [(7 * i + k) % 90 + 4 for k in range(n)], sampling) for i, n in enumerate(lengths)]
+def _requests(sampling, lengths=(3, 11, 6, 17), prefix=()):
+    # Different prompt lengths so left padding and position ids matter; a shared prefix (a system prompt, a few-shot
+    # turn) is prefilled once and its cache copied, with the suffixes left-padded after it.
+    return [GenerateRequest(100 + i, list(prefix) + [(7 * i + k) % 90 + 4 for k in range(n)], sampling)
+            for i, n in enumerate(lengths)]
 
 
 def _teacher_forced_logprobs(model, prompt, output, temperature):
@@ -18,13 +20,17 @@ def _teacher_forced_logprobs(model, prompt, output, temperature):
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
+SHARED_PREFIX = (1, 30, 31, 32, 33, 34, 35, 36, 37)  # the 1-token prompt below is all prefix but its last token
+
+
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
-def test_logprobs_equal_teacher_forced_recomputation(family, temperature, top_k, top_p, request):
+@pytest.mark.parametrize("prefix", [(), SHARED_PREFIX], ids=["distinct", "shared-prefix"])
+def test_logprobs_equal_teacher_forced_recomputation(family, temperature, top_k, top_p, prefix, request):
     hf_dir = request.getfixturevalue(family)
     engine = LocalEngine(hf_dir, max_batch_size=5)  # 4 prompts x 3 samples: several batches, rows dropped mid-way
     sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=24, n=3, seed=5)
-    reqs = _requests(sp)
+    reqs = _requests(sp, lengths=(3, 11, 6, 17) if not prefix else (1, 11, 6, 17), prefix=prefix)
     out = engine.generate(reqs)
     assert [(s.prompt_id, s.sample_index) for s in out] == [(r.prompt_id, j) for r in reqs for j in range(3)]
     ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -40,9 +46,10 @@ def test_logprobs_equal_teacher_forced_recomputation(family, temperature, top_k,
             assert int(ranks.max()) < top_k
 
 
-def test_greedy_matches_hf_generate(tiny_llama):
+@pytest.mark.parametrize("prefix", [(), SHARED_PREFIX], ids=["distinct", "shared-prefix"])
+def test_greedy_matches_hf_generate(tiny_llama, prefix):
     engine = LocalEngine(tiny_llama)
-    reqs = _requests(SamplingParams(temperature=0.0, max_new_tokens=16))
+    reqs = _requests(SamplingParams(temperature=0.0, max_new_tokens=16), prefix=prefix)
     out = engine.generate(reqs)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for r, s in zip(reqs, out):
@@ -86,7 +93,7 @@ def test_sampler_frequencies_match_filtered_distribution():
     logits = torch.randn(1, 12) * 2
     n = 20000
     u = torch.rand(n)
-    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8)]:
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.7), (1.0, 1, 1.0)]:
         tokens, _ = sample_tokens(logits.expand(n, -1), torch.full((n,), temperature), torch.full((n,), top_k),
                                   torch.full((n,), top_p), u)
         probs = torch.softmax(logits[0] / temperature, -1)
@@ -145,3 +152,13 @@ def test_eos_ids_from_config_and_generation_config(tmp_path):
     gen = json.loads((d / "generation_config.json").read_text())
     (d / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=[3, 4])))
     assert LocalEngine(str(d)).eos_ids == {2, 3, 4}  # SGLang stops on both files' EOS ids too
+
+
+def test_shared_prefix_length_leaves_every_prompt_a_token():
+    from megamu.rollout.local import shared_prefix_length
+
+    assert shared_prefix_length([[1, 2, 3, 9], [1, 2, 4]]) == 2
+    assert shared_prefix_length([[1, 2], [1, 2, 3]]) == 1  # the shorter prompt keeps its last token
+    assert shared_prefix_length([[5, 6, 7]]) == 2
+    assert shared_prefix_length([[1], [1, 4]]) == 0
+    assert shared_prefix_length([[3, 1], [4, 1]]) == 0

@@ -130,7 +130,8 @@ def _plain_cache(config, spare):
 
 
 # The engine as issue 16 found it, then each of its levers added in turn (cumulative). Each entry: (sampler, prefix
-# sharing across prompts, in-place KV appends, max batch size).
+# sharing across prompts, in-place KV appends, max batch size). Today's sampler skips the [B, vocab] passes that
+# cannot change a token and keeps top-k with ``topk`` instead of sorting the vocabulary.
 LEVERS = [
     ("before", before_sample_tokens, False, False, 64),
     ("+ sampler", local.sample_tokens, False, False, 64),
@@ -158,14 +159,15 @@ def _run_lever(engine, requests, lever):
 def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], eval_prompts: list[list[int]], repeats: int) -> None:
     """The demo's rollout shard and held-out evaluation, each lever added in turn, interleaved; best of ``repeats``."""
     engine = LocalEngine(hf_dir)
-    cases = {
-        f"rollout shard: {len(prompts)} prompts x 8, T=1": [
+    cases = {}
+    if prompts:
+        cases[f"rollout shard: {len(prompts)} prompts x 8, T=1"] = [
             GenerateRequest(i, p, SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0))
-            for i, p in enumerate(prompts)],
-        f"greedy evaluation: {len(eval_prompts)} prompts x 1": [
-            GenerateRequest(i, p, SamplingParams(temperature=0.0, max_new_tokens=64, n=1))
-            for i, p in enumerate(eval_prompts)],
-    }
+            for i, p in enumerate(prompts)]
+    if eval_prompts:  # as the trainer's held-out evaluation asks for greedy: T=1, top_k=1
+        cases[f"greedy evaluation: {len(eval_prompts)} prompts x 1, T=1, top_k=1"] = [
+            GenerateRequest(i, p, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=64, n=1))
+            for i, p in enumerate(eval_prompts)]
     for case, requests in cases.items():
         best, outputs = {}, {}
         for _ in range(repeats):
@@ -175,8 +177,9 @@ def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], eval_prompts: list
                 best[lever[0]] = (max(old[0], len(out) / dt), max(old[1], len(out) / cpu))
                 outputs[lever[0]] = out
         ref = outputs["before"]
+        lengths = [len(r.prompt_ids) for r in requests]
         print(f"\n== demo {case}, natural stop, max 64 new tokens, {torch.get_num_threads()} threads "
-              f"(prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens)")
+              f"(prompts of {min(lengths)}-{max(lengths)} tokens)")
         for name, (wall, cpu) in best.items():
             out = outputs[name]
             same = [a.output_ids == b.output_ids for a, b in zip(ref, out)]
@@ -230,7 +233,8 @@ def main() -> None:
     ap.add_argument("--skip-generation", action="store_true", help="skip the comparison with model.generate")
     ap.add_argument("--demo-prompts", type=int, default=16,
                     help="prompts of the demo-rollout case, 8 samples each (16: one demo shard; 0: skip the case)")
-    ap.add_argument("--eval-prompts", type=int, default=100, help="greedy prompts of the demo-evaluation case")
+    ap.add_argument("--eval-prompts", type=int, default=100,
+                    help="greedy prompts of the demo-evaluation case (0: skip the case)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +257,7 @@ def main() -> None:
         print(f"model {args.model} ({hf_dir})")
         if not args.skip_generation:
             bench_generation(hf_dir, prompts, args.new_tokens, args.repeats)
-        if args.demo_prompts:
+        if args.demo_prompts or args.eval_prompts:
             f.write_text("\n".join(json.dumps(r) for r in addition_problems(args.eval_prompts, seed=1)))
             held_out = [p.prompt_ids for p in load_prompts([str(f)], tok, instruction=DEMO_INSTRUCTION,
                                                            few_shot=DEMO_FEW_SHOT)]

@@ -7,6 +7,8 @@ differ: the process-group backend (``megamu.parallel``), the layer implementatio
 
 from __future__ import annotations
 
+import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,19 @@ class Device:
 
     def torch_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
+
+    def describe(self) -> str:
+        """What runs the math, for the plan and for reports: the GPU, or the CPU model and torch's kernel ISA (a
+        duration measured on one CPU says little about another: see the README's demo paragraph)."""
+        if self.is_cuda:
+            return f"cuda: {torch.cuda.get_device_name()}"
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        except OSError:
+            model = ""
+        return (f"cpu: {model or platform.processor() or 'unknown model'}, {os.cpu_count()} cores, torch kernels "
+                f"{torch.backends.cpu.get_cpu_capability()}")
 
     def release_cache(self) -> None:
         """Return the caching allocator's free blocks to the driver, so another process (the engine) can use them."""

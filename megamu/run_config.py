@@ -52,7 +52,7 @@ class Plan:
                 "max_tokens_per_stage": self.samples_per_stage * self.max_response_len,
                 "weight_syncs": syncs}
 
-    def describe(self, algo: AlgoConfig, precision: str) -> str:
+    def describe(self, algo: AlgoConfig, precision: str, device: str = "") -> str:
         d = self.summary()
         rows = [
             ("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
@@ -63,7 +63,7 @@ class Plan:
             ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"]),
             ("rollout mode", d["rollout_mode"]), ("training precision", precision),
             ("algorithm", f"{d['algorithm']} {algo.describe()}"),
-        ]
+        ] + ([("device", device)] if device else [])
         if self.rollout_mode == "async":  # no stages: the run is --train-iters updates on a stream
             rows = [r for r in rows if "stage" not in r[0]] + [
                 ("weight sync interval N", self.weight_sync_interval), ("max policy lag K", self.max_policy_lag)]
@@ -99,4 +99,4 @@ class RunConfig:
     def describe(self) -> str:
         precision = "bf16" if self.policy.bf16 else "fp32"
         return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
-                                             f"engine {self.rollout.engine.dtype}")
+                                             f"engine {self.rollout.engine.dtype}", self.device.describe())

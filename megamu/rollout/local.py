@@ -2,11 +2,15 @@
 
 Why not ``model.generate``: we need per-sample seeds that make a sample a pure function of (seed, prompt_id,
 sample_index) whatever else shares its batch, exact behaviour log-probs of the temperature-scaled full distribution
-(what SGLang returns), and finished rows dropped from the batch so the batch shrinks as replies end.
+(what SGLang returns), and finished rows dropped from the batch so the batch shrinks as replies end. Like SGLang's
+radix cache, the prompts' common prefix is prefilled once per batch (on the demo ~90 of ~97 tokens, shared by every
+prompt), and a group's samples share its prompt's cache.
 
-Sampling is inverse-CDF with one uniform per step drawn from the sample's own generator, so a resumed rollout
-reproduces the same groups. (Different batch shapes can change logits in the last float bit; a sampled token only
-flips if its uniform lands within that distance of a CDF boundary, which is negligible.)
+Sampling is inverse-CDF with one uniform per step drawn from the sample's own generator, so a sample does not depend
+on its batch's other rows except through float rounding: batch shapes and prefill splits change logits in the last
+bits, and a token flips when its uniform lands within that distance of a CDF boundary (on the demo's shard, 123-124 of
+128 samples are identical between batches of 64 and 128). A resumed rollout regenerates whole shards in the same
+batches, so it reproduces the uninterrupted run exactly.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,11 +64,18 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("runs") / "reference"
-    launch(flags(tiny, save))
+    proc = launch(flags(tiny, save))
+    (save.parent / "stdout.txt").write_text(proc.stdout)
     return save
 
 
 def test_uninterrupted_run_writes_everything(tiny, reference):
+    # after the first update, the rest of the run is estimated from this stage's rollout, that update and the base
+    # evaluation: 7 more updates, 1 more stage's rollout, the final evaluation
+    stdout = (reference.parent / "stdout.txt").read_text()
+    eta = re.findall(r"\[eta\] about [\d.]+ min more for the run on this machine: (\d+) updates at ~[\d.]+s, "
+                     r"(\d+) more rollouts at ~\d+s \(this stage's\), a final evaluation at", stdout)
+    assert eta == [(str(STAGES * MU - 1), str(STAGES - 1))]
     updates = records(reference, "update")
     assert [u["update"] for u in updates] == list(range(STAGES * MU))
     for u in updates:

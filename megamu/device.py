@@ -51,8 +51,8 @@ class Device:
     def describe(self) -> str:
         """What runs the math, for the plan and for reports: the GPU, or the CPU model and torch's kernel ISA (a
         duration measured on one CPU says little about another: see the README's demo paragraph)."""
-        if self.is_cuda:
-            return f"cuda: {torch.cuda.get_device_name()}"
+        if self.is_cuda:  # no device name: asking for it would create a CUDA context before the rank binds its GPU
+            return f"cuda, {torch.cuda.device_count()} devices visible"
         try:
             with open("/proc/cpuinfo") as f:
                 model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

@@ -75,6 +75,12 @@ def test_engine_flags(tmp_path):
     bf16 = parse_args(base + ["--bf16"], device=Device("cuda"))
     assert bf16.rollout.engine.dtype == "bfloat16"  # servers run what is exported: the training precision
     assert "HF exports bf16, engine bfloat16" in bf16.describe()
+    device_row = [row.split(None, 1) for row in bf16.describe().splitlines() if row.split()[0] == "device"]
+    assert device_row[0][1].startswith("cuda, ")  # named without creating a CUDA context
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()  # the plan says which CPU kernels a duration was measured with
+    assert cfg.describe().splitlines()[-1].endswith(f"cores, torch kernels {isa}")
     fp16 = parse_args(base + ["--bf16", "--export-dtype", "fp16"], device=Device("cuda"))
     assert fp16.policy.export_dtype == "fp16" and "HF exports fp16" in fp16.describe()
     for bad, message in ((["--weight-sync", "memory"], "--weight-sync.*colocated"),

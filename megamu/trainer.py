@@ -91,7 +91,7 @@ class Run:
         eta = updates_left * t_update + stages_left * t_rollout + t_eval
         if parallel.is_main_rank():
             bar.write(f"[eta] about {eta / 60:.1f} min more for the run on this machine: {updates_left} updates at "
-                      f"~{t_update:.1f}s, {stages_left} more rollouts at ~{t_rollout:.0f}s (this stage's)"
+                      f"~{t_update:.1f}s, {stages_left} more rollout(s) at ~{t_rollout:.0f}s (this stage's)"
                       + (f", a final evaluation at ~{t_eval:.0f}s" if t_eval else ""))
 
     def checkpoint_due(self) -> bool:

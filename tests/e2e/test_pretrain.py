@@ -74,7 +74,7 @@ def test_uninterrupted_run_writes_everything(tiny, reference):
     # evaluation: 7 more updates, 1 more stage's rollout, the final evaluation
     stdout = (reference.parent / "stdout.txt").read_text()
     eta = re.findall(r"\[eta\] about [\d.]+ min more for the run on this machine: (\d+) updates at ~[\d.]+s, "
-                     r"(\d+) more rollouts at ~\d+s \(this stage's\), a final evaluation at", stdout)
+                     r"(\d+) more rollout\(s\) at ~\d+s \(this stage's\), a final evaluation at", stdout)
     assert eta == [(str(STAGES * MU - 1), str(STAGES - 1))]
     updates = records(reference, "update")
     assert [u["update"] for u in updates] == list(range(STAGES * MU))

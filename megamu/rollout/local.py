@@ -15,6 +15,7 @@ batches, so it reproduces the uninterrupted run exactly.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 
@@ -38,25 +39,21 @@ class _Row:
     finish_reason: str = "length"
 
 
-def append_cache(config, spare: int):
-    """A ``DynamicCache`` whose plain full-attention layers append in place into room for ``spare`` more positions.
-
-    transformers' ``DynamicLayer`` concatenates each step's key/value onto the whole cache: on a 2-core CPU that copy
-    was a quarter of a decode step (SmolLM2-135M, 64 rows, ~110 cached positions). Here the room is allocated once,
-    each step writes one position and attention reads a view of the filled part. Other layer kinds (sliding) stay.
-    """
-    from transformers import DynamicCache
+@functools.cache
+def _append_layer_class():
+    """``DynamicLayer`` appending in place (defined once, on first use: transformers loads lazily in this module)."""
     from transformers.cache_utils import DynamicLayer
 
     class AppendLayer(DynamicLayer):
-        def __init__(self):
+        def __init__(self, spare: int):
             super().__init__()
+            self.spare = spare
             self.k_buf = self.v_buf = None
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             n, length = key_states.shape[-2], self.get_seq_length()
             if self.k_buf is None or length + n > self.k_buf.shape[-2]:
-                shape = (*key_states.shape[:2], length + n + spare, key_states.shape[-1])
+                shape = (*key_states.shape[:2], length + n + self.spare, key_states.shape[-1])
                 k_buf, v_buf = key_states.new_empty(shape), value_states.new_empty(shape)
                 if length:
                     k_buf[..., :length, :], v_buf[..., :length, :] = self.keys, self.values
@@ -73,8 +70,21 @@ def append_cache(config, spare: int):
                 length = self.keys.shape[-2]
                 self.keys, self.values = self.k_buf[..., :length, :], self.v_buf[..., :length, :]
 
+    return AppendLayer, DynamicLayer
+
+
+def append_cache(config, spare: int):
+    """A ``DynamicCache`` whose plain full-attention layers append in place into room for ``spare`` more positions.
+
+    transformers' ``DynamicLayer`` concatenates each step's key/value onto the whole cache: on a 2-core CPU that copy
+    was a quarter of a decode step (SmolLM2-135M, 64 rows, ~110 cached positions). Here the room is allocated once,
+    each step writes one position and attention reads a view of the filled part. Other layer kinds (sliding) stay.
+    """
+    from transformers import DynamicCache
+
+    append_layer, dynamic_layer = _append_layer_class()
     cache = DynamicCache(config=config)
-    cache.layers = [AppendLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [append_layer(spare) if type(layer) is dynamic_layer else layer for layer in cache.layers]
     return cache
 
 
@@ -102,11 +112,12 @@ def sample_tokens(
     logp = torch.log_softmax(logits if bool((temp == 1).all()) else logits / temp[:, None], dim=-1)
     probs = logp.exp()
     vocab = probs.shape[-1]
-    if bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1.0).any()):
-        if bool(((top_k > 0) & (top_k < vocab)).all()):
+    k_filters = (top_k > 0) & (top_k < vocab)
+    if bool(k_filters.any() or (top_p < 1.0).any()):
+        if bool(k_filters.all()):
             # Every row keeps at most max(top_k) tokens: the largest max(top_k) probabilities, sorted, hold every kept
-            # token and the top-p prefix within them (a sort of the whole vocabulary per step cost ~0.1 s at 100
-            # rows; greedy evaluation is top_k = 1).
+            # token and the top-p prefix within them, without sorting the whole vocabulary at every step (greedy
+            # evaluation is top_k = 1).
             probs, order = probs.topk(int(top_k.max()), dim=-1)
         else:
             probs, order = probs.sort(dim=-1, descending=True)

@@ -7,7 +7,6 @@ Run with no flags for the CPU demo; rerun the same command to resume.
 """
 
 import os
-import time
 import warnings
 
 import torch
@@ -31,41 +30,17 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
     parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
                               distributed_timeout_minutes=cfg.distributed_timeout_minutes)
-    from megamu.trainer import Run
+    from megamu.loop.async_ import train_async
+    from megamu.loop.run import Run
+    from megamu.loop.staged import train_staged
 
     run = Run(cfg)
-    if cfg.plan.rollout_mode == "async":
-        train_async(run)
-    else:
-        train_staged(run)
+    # The stages of §4 (staged; colocated for standard GRPO): publish θ_k, offload, generate D_k, onload, prune,
+    # μ updates -- each step in train_staged. Async (§5.1): an engine process streams groups while the trainer trains.
+    train = train_async if cfg.plan.rollout_mode == "async" else train_staged
+    train(run)
     run.finish()
     parallel.destroy_distributed()
-
-
-def train_staged(run) -> None:
-    """Stages of generate-then-optimise (§4): the engine and the trainer take turns."""
-    cfg, policy, rollout, prompts = run.cfg, run.policy, run.rollout, run.prompts
-    for stage in range(run.stage, cfg.plan.num_stages):
-        t0 = time.perf_counter()
-        rollout.sync(policy, stage)  # 1. freeze θ_k as the behaviour policy β_k
-        t1 = time.perf_counter()
-        dataset = rollout.generate(stage, prompts.for_stage(stage), policy)  # 2. β_k generates D_k
-        t2 = time.perf_counter()
-        run.optimise(stage, dataset)  # 3. μ updates on the static D_k
-        run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
-
-
-def train_async(run) -> None:
-    """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
-    cfg, policy, rollout = run.cfg, run.policy, run.rollout
-    rollout.start(policy, run.prompts.train)  # the engine process starts on θ_t and fills the durable queue
-    bar = run.progress_bar("optimise (async)")
-    for update in range(run.global_update, cfg.plan.total_updates):
-        samples, queue = rollout.next_batch(policy.version, cfg.plan.prompts_per_update)  # lag ≤ K; older dropped
-        run.train_on(samples, 0, bar, **queue)  # one update with the stored behaviour log-probs
-        if (update + 1) % cfg.plan.weight_sync_interval == 0 and update + 1 < cfg.plan.total_updates:
-            rollout.sync(policy, update + 1)  # θ to the engine: it finishes its current shard, then reloads
-    bar.close()
 
 
 if __name__ == "__main__":

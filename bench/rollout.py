@@ -31,10 +31,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems, load_prompts  # noqa: E402
+from megamu.engines import local  # noqa: E402
+from megamu.engines.local import LocalEngine  # noqa: E402
+from megamu.engines.types import GenerateRequest, SamplingParams  # noqa: E402
 from megamu.reward import RewardScorer, math_score  # noqa: E402
-from megamu.rollout import local  # noqa: E402
-from megamu.rollout.local import LocalEngine  # noqa: E402
-from megamu.rollout.types import GenerateRequest, SamplingParams  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -100,7 +100,7 @@ def bench_generation(hf_dir: str, prompts: list[list[int]], new_tokens: int, rep
 
 
 def before_sample_tokens(logits, temperature, top_k, top_p, uniforms):
-    """``megamu.rollout.local.sample_tokens`` as it was: every pass over [B, vocab] whether it can matter or not."""
+    """``megamu.engines.local.sample_tokens`` as it was: every pass over [B, vocab] whether it can matter or not."""
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)

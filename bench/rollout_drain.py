@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megamu.data.prompts import PromptRecord  # noqa: E402
+from megamu.engines.local import LocalEngine  # noqa: E402
+from megamu.engines.types import SamplingParams  # noqa: E402
 from megamu.reward import RewardScorer  # noqa: E402
 from megamu.rollout.dataset import write_shard  # noqa: E402
-from megamu.rollout.local import LocalEngine  # noqa: E402
 from megamu.rollout.phase import generate_groups, run_rollout_phase  # noqa: E402
-from megamu.rollout.types import SamplingParams  # noqa: E402
 from megamu.tiny import build_char_tokenizer, save_tiny_model  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def main() -> None:
             print("local engine:", flush=True)
             results["local"] = measure(LocalEngine(model_dir, max_batch_size=64), prompts, work, args, scorer, tok)
         if args.engine in ("sglang", "both"):
-            from megamu.rollout.sglang import SGLangEngine
+            from megamu.engines.sglang.client import SGLangEngine
             from tests.sglang_real.cpu_server import cpu_config
 
             engine = SGLangEngine(model_dir, cpu_config(args.port, work / "logs", max_concurrency=64))

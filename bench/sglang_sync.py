@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamu.rollout.sglang import SGLangEngine  # noqa: E402
-from megamu.rollout.sglang_sync import LogprobProbe  # noqa: E402
+from megamu.engines.sglang.client import SGLangEngine  # noqa: E402
+from megamu.engines.sglang.weight_sync import LogprobProbe  # noqa: E402
 from megamu.tiny import save_tiny_model  # noqa: E402
 from tests.sglang_real.cpu_server import cpu_config  # noqa: E402
 

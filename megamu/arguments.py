@@ -8,18 +8,19 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-from dataclasses import replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
+from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
+from megamu.loop.async_ import AsyncConfig
 from megamu.policy import PolicyConfig
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
-from megamu.rollout import ENGINE_KINDS, EngineConfig
-from megamu.rollout.modes import ROLLOUT_MODES, RolloutConfig
-from megamu.run_config import Plan, RunConfig
+from megamu.rollout import RolloutConfig
+from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig
+from megamu.run_dir import RunDir
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
@@ -186,38 +187,43 @@ def answer_key(args: argparse.Namespace) -> str:
     return args.answer_key or ("tests" if args.reward == "code" else "answer")
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    for flag in ("rollout_batch_size", "sglang_num_servers", "sglang_tp_size"):
-        if getattr(args, flag) <= 0:
-            _error("--" + flag.replace("_", "-"), f"must be a positive integer, got {getattr(args, flag)}")
+def engine_config(args: argparse.Namespace, sync_backend: str = "gloo") -> EngineConfig:
+    """The engine flags (shared with tools/evaluate.py) as an EngineConfig; ``sync_backend`` is the trainer device's."""
     if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
         _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
-    env = []
+    env = {}
     for item in shlex.split(args.sglang_env):
         if "=" not in item:
             _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
-        env.append(tuple(item.split("=", 1)))
+        env.update([item.split("=", 1)])
     colocated = getattr(args, "rollout_mode", "staged") == "colocated"
     sync = args.weight_sync or ("memory" if colocated and args.rollout_engine == "sglang" else "disk")
     if sync == "memory" and not colocated:
         _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
                                 "from the stage's export)")
+    sglang = SGLangConfig()
+    if args.rollout_engine == "sglang":
+        sglang = _config(SGLangConfig, urls=[u for u in (args.sglang_url or "").split(",") if u],
+                         num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
+                         extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
+                         server_env=env, weight_sync=sync, sync_backend=sync_backend)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
-    urls = tuple(u for u in (args.sglang_url or "").split(",") if u)
-    return EngineConfig(kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
-                        sglang_urls=urls, sglang_num_servers=args.sglang_num_servers,
-                        sglang_tp_size=args.sglang_tp_size,
-                        sglang_server_args=tuple(shlex.split(args.sglang_server_args)),
-                        sglang_python=args.sglang_python, sglang_env=tuple(env), weight_sync=sync)
+    return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
+                   sglang=sglang)
 
 
 # Config fields whose flag is not "--" + the field's name with dashes.
 FLAG_OF_FIELD = {
     "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
     "name": "--algorithm", "kind": "--reward", "code_mode": "--code-reward-mode", "sandbox_url": "--code-sandbox-url",
-    "timeout_s": "--code-timeout",
+    "timeout_s": "--code-timeout", "max_batch_size": "--rollout-batch-size", "num_servers": "--sglang-num-servers",
+    "tp_size": "--sglang-tp-size", "extra_server_args": "--sglang-server-args", "n_samples": "--n-samples-per-prompt",
+    "max_new_tokens": "--rollout-max-response-len", "groups_per_shard": "--rollout-groups-per-shard",
+    "shards_per_call": "--rollout-shards-per-call", "temperature": "--rollout-temperature", "top_p": "--rollout-top-p",
+    "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
+    "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
 }
 
 
@@ -384,41 +390,44 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                         lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps)
     save = Path(args.save)
-    plan = Plan(num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
+    plan = _config(Plan, num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
                 prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
                 max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode,
                 weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
-    engine = replace(engine_config(args), sync_backend=device.backend)
+    engine = engine_config(args, sync_backend=device.backend)
     # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
     cpu_split = args.rollout_mode == "async" and not device.is_cuda
     worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
-    policy = PolicyConfig(
-        hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
-        load_dir=Path(args.load or args.save), transformer_impl=args.transformer_impl, bf16=args.bf16,
+    policy = _config(
+        PolicyConfig, hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
+        load_dir=Path(args.load or args.save), offload_dir=RunDir(save).offload,
+        transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
         keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
         offload_train=args.rollout_mode == "staged" if args.offload_train is None else args.offload_train,
         recompute_granularity=args.recompute_granularity)
-    rollout = RolloutConfig(
-        mode=args.rollout_mode, engine=engine, run_dir=save, n_samples=args.n_samples_per_prompt,
-        seed=args.seed, temperature=args.rollout_temperature, top_p=args.rollout_top_p,
-        max_new_tokens=args.rollout_max_response_len, groups_per_shard=args.rollout_groups_per_shard,
-        shards_per_call=args.rollout_shards_per_call, reward=reward_config(args),
-        max_policy_lag=args.max_policy_lag, queue_groups=args.rollout_queue_groups or 0,
-        worker_threads=worker_threads, rollout_devices=args.rollout_devices)
+    rollout = _config(
+        RolloutConfig, n_samples=args.n_samples_per_prompt, seed=args.seed, temperature=args.rollout_temperature,
+        top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
+        groups_per_shard=args.rollout_groups_per_shard, shards_per_call=args.rollout_shards_per_call,
+        reward=reward_config(args))
+    async_ = _config(AsyncConfig, queue_groups=args.rollout_queue_groups, worker_threads=worker_threads,
+                     rollout_devices=args.rollout_devices) if args.rollout_mode == "async" else None
     builtin = args.prompt_data == BUILTIN_DATA
-    prompts = PromptsConfig(
+    prompts = _config(
+        PromptsConfig,
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
-        held_out=args.eval_prompts, seed=args.seed, data_dir=save / "data",
+        held_out=args.eval_prompts, seed=args.seed, data_dir=RunDir(save).data,
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
         builtin_rows=max(args.num_stages * args.prompts_per_stage, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows)
-    return RunConfig(
-        plan=plan, algo=algo, device=device, policy=policy, rollout=rollout, prompts=prompts, save=save,
-        tensorboard_dir=args.tensorboard_dir or str(save / "tensorboard"), seed=args.seed,
+    return _config(
+        RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
+        async_=async_, prompts=prompts, save=save,
+        tensorboard_dir=args.tensorboard_dir or str(RunDir(save).tensorboard), seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
         cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,3 +23,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def remove_dir(d: Path) -> None:
+    """Rename out of the visible namespace first, so a crash mid-delete leaves no half folder that looks complete."""
+    trash = d if d.name.startswith(".") else d.with_name(f".{d.name}.deleting-{os.getpid()}")
+    if trash != d:
+        os.replace(d, trash)
+    shutil.rmtree(trash)

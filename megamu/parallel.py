@@ -7,7 +7,6 @@ code paths (vocab-parallel log-probs, gathers) run in unit tests, tools and the 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch
@@ -15,14 +14,9 @@ import torch.distributed as dist
 
 from megamu.device import CPU, Device
 from megamu.errors import ConfigError
+from megamu.net import free_port
 
 _device: Device = CPU  # set by init_distributed: the device this process trains on
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(
@@ -54,7 +48,7 @@ def init_distributed(
         if "RANK" in os.environ:  # torchrun
             dist.init_process_group(backend, **timeout)
         else:  # plain python: a world of one on a free local port, without touching the env of child processes
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     **timeout)
     if _wait_group is None:
         _init_wait_group()
@@ -163,3 +157,23 @@ def is_main_rank() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def broadcast_object(obj, *, wait: bool = False):
+    """Rank 0's ``obj`` on every rank (itself in a world of one). ``wait``: over the CPU-side gloo group, for a value
+    rank 0 may take long to produce (while it waits for an engine), so the wait is not bound by the collective
+    timeout and no NCCL kernel spins meanwhile."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_wait_group if wait else None)
+    return box[0]
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (of ``group``, default all ranks), in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

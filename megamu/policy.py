@@ -17,12 +17,14 @@ from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.device import Device
+from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.model import ModelArch, build_model
 from megamu.records import RolloutSample
 from megamu.training.checkpoint import load_checkpoint, save_checkpoint
 from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
 from megamu.training.step import compute_logprobs, train_step
+from megamu.weights import LogprobProbe, Weights
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,9 @@ class PolicyConfig:
     hf_checkpoint: str | None  # initial weights (None: the demo model)
     device: Device
     optimizer: OptimizerConfig
-    save_dir: Path  # checkpoints and HF exports (<save_dir>/hf/<name>)
+    save_dir: Path  # checkpoints (iter_N folders)
     load_dir: Path  # resume from here when it holds a checkpoint
+    offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
     transformer_impl: str | None = None  # None: the device's default
     bf16: bool = False
     micro_batch_size: int = 8
@@ -42,6 +45,16 @@ class PolicyConfig:
     export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
     offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
     recompute_granularity: str | None = None  # "full" | "selective"
+
+    def __post_init__(self):
+        check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        check_non_negative(self, "keep_checkpoints")
+        if not self.temperature > 0:
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
+        for name, choices in (("export_dtype", DTYPES), ("recompute_granularity", ("full", "selective")),
+                              ("transformer_impl", ("local", "transformer_engine"))):
+            if getattr(self, name) is not None:
+                check_choice(self, name, tuple(choices))
 
 
 def resolve_hf_checkpoint(path: str | None) -> Path:
@@ -69,7 +82,7 @@ class Policy:
         self._offloaded = False
         self._cuda_train = self._cuda_rollout = None  # torch.cuda.memory_allocated at the same two points (GPU)
 
-    def restore(self) -> dict | None:
+    def load_latest(self) -> dict | None:
         """Load the latest checkpoint under load_dir (returns its ``extra``), else the initial HF weights (None).
 
         After building the optimiser: the bf16 optimiser's fp32 main weights are refreshed from the loaded model."""
@@ -113,9 +126,8 @@ class Policy:
         save_checkpoint(self.cfg.save_dir, iteration, self.model, self.arch, self.optimizer, extra=extra,
                         keep=self.cfg.keep_checkpoints)
 
-    def export(self, name: str) -> Path:
-        """The weights as an HF folder <save_dir>/hf/<name> (atomic; a finished folder of the same name is reused)."""
-        out = Path(self.cfg.save_dir) / "hf" / name
+    def export(self, out: Path) -> Path:
+        """The weights as an HF folder ``out`` (atomic; a finished folder of the same name is reused)."""
         exists = (out / "config.json").exists()
         parallel.barrier()  # every rank has looked before rank 0 writes: all take the same branch (export_hf's
         # collectives and barrier), whichever rank the scheduler delays
@@ -129,37 +141,43 @@ class Policy:
         """What exports and in-memory pushes carry: --export-dtype, else the training precision."""
         return self.cfg.export_dtype or training_dtype(self.model)
 
+    def weights(self, *, hf_dir: Path | None = None, tensors: bool = False,
+                probe_ids: list[int] | None = None) -> Weights:
+        """The weights an engine is given (collective): exported to ``hf_dir``, as HF-named tensors, or both; with a
+        log-prob probe of ``probe_ids`` for the engine to match after the push."""
+        return Weights(version=self.version, hf_dir=self.export(hf_dir) if hf_dir is not None else None,
+                       tensors=self.engine_weights() if tensors else None,
+                       probe=self.logprob_probe(probe_ids) if probe_ids else None)
+
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named tensors for an in-memory push (gathered over TP; every rank gets them, rank 0 uses them),
         in the export dtype, like an export."""
         dtype = DTYPES[self.export_dtype]
         return {n: t.to(dtype) for n, t in mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))}
 
-    def logprob_probe(self, token_ids: list[int]):
+    def logprob_probe(self, token_ids: list[int]) -> LogprobProbe:
         """The trainer's teacher-forced log-probs of ``token_ids`` at temperature 1 (collective), to check that an
         engine serves these weights after a sync. Tolerance on the mean |difference| by dtype: float32 agrees to
         ~1e-6 (1e-3 leaves room for other kernels); bfloat16 keeps 8 mantissa bits, ~1e-2 per log-prob."""
-        from megamu.rollout.sglang_sync import LogprobProbe
-
         sample = RolloutSample(prompt_id=0, sample_index=0, prompt_ids=token_ids[:1], response_ids=token_ids[1:],
                                behaviour_logprobs=[0.0] * (len(token_ids) - 1), reward=0.0, advantage=0.0,
                                finish_reason="length")
         values = compute_logprobs(self.model, [sample], temperature=1.0, micro_batch_size=1)[0]
         return LogprobProbe(list(token_ids), values, tolerance=1e-3 if self.export_dtype == "fp32" else 0.05)
 
-    def release_memory(self) -> None:
+    def offload(self) -> None:
         """Before an engine generates: give back what the trainer does not need (§4). With ``offload_train`` the
         gradients and optimiser state (GPU: also parameters and fp32 main parameters) leave the device, spilled
-        under <save_dir>/offload on CPU; then the allocator's cache goes back to the driver."""
+        under ``offload_dir`` on CPU; then the allocator's cache goes back to the driver."""
         if self.cfg.offload_train and not self._offloaded:
-            self.optimizer.offload(Path(self.cfg.save_dir) / "offload")
+            self.optimizer.offload(self.cfg.offload_dir)
             self._offloaded = True
         self.cfg.device.release_cache()
         self.mem_rollout = self.optimizer.memory()
         self._cuda_rollout = self._cuda_allocated()
 
-    def restore_memory(self) -> None:
-        """After the rollout: everything ``release_memory`` moved comes back, bit for bit."""
+    def onload(self) -> None:
+        """After the rollout: everything ``offload`` moved comes back, bit for bit."""
         if self._offloaded:
             self.optimizer.reload()
             self._offloaded = False

@@ -10,8 +10,13 @@ from pathlib import Path
 from megamu.algo import AlgoConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
+from megamu.engines import EngineConfig
+from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
+from megamu.loop.async_ import AsyncConfig
 from megamu.policy import PolicyConfig
-from megamu.rollout.modes import RolloutConfig
+from megamu.rollout import RolloutConfig
+
+ROLLOUT_MODES = ("staged", "colocated", "async")
 
 
 @dataclass
@@ -28,6 +33,20 @@ class Plan:
     rollout_mode: str
     weight_sync_interval: int = 0  # async mode: updates between weight pushes (staged modes: one per stage)
     max_policy_lag: int | None = None  # async mode: K
+
+    def __post_init__(self):
+        check_positive(self, "num_stages", "mu", "prompts_per_stage", "prompts_per_update", "n_samples_per_prompt",
+                       "max_response_len", "max_policy_lag")
+        check_choice(self, "rollout_mode", ROLLOUT_MODES)
+        if self.prompts_per_stage != self.mu * self.prompts_per_update:
+            raise ConfigError("mu", f"B_train = {self.prompts_per_stage} is not μ x B_mini = {self.mu} x "
+                                    f"{self.prompts_per_update}")
+        if self.rollout_mode == "async":
+            check_positive(self, "weight_sync_interval")
+            if self.max_policy_lag is None or self.max_policy_lag < self.weight_sync_interval:
+                raise ConfigError("max_policy_lag", f"{self.max_policy_lag} is below the weight sync interval "
+                                  f"{self.weight_sync_interval}: between syncs the engine's weights fall that far "
+                                  "behind, so every sample would be dropped")
 
     @property
     def total_updates(self) -> int:
@@ -76,12 +95,13 @@ class Plan:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.trainer.Run)."""
+    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.run.Run)."""
 
     plan: Plan
     algo: AlgoConfig
     device: Device
     policy: PolicyConfig
+    engine: EngineConfig
     rollout: RolloutConfig
     prompts: PromptsConfig
     save: Path
@@ -94,9 +114,21 @@ class RunConfig:
     save_interval: int = 0
     hf_export_interval: int = 0
     recompute_behaviour_logprobs: bool = False
+    async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
+
+    def __post_init__(self):
+        check_positive(self, "tensor_model_parallel_size", "log_interval", "cpu_threads")
+        check_non_negative(self, "save_interval", "hf_export_interval")
+        if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
+            raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
+        if (self.async_ is not None) != (self.plan.rollout_mode == "async"):
+            raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
+        if self.recompute_behaviour_logprobs and self.plan.rollout_mode == "async":
+            raise ConfigError("behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
+                                                    "engine's log-probs")
 
     def describe(self) -> str:
         precision = "bf16" if self.policy.bf16 else "fp32"
         return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
-                                             f"engine {self.rollout.engine.dtype}", self.device.describe())
+                                             f"engine {self.engine.dtype}", self.device.describe())

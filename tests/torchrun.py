@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megamu.net import free_port  # noqa: F401  (tests import it from here)
 from tests.processes import run_owned
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None):

@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_factory(args: argparse.Namespace):
     """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights."""
-    from megamu.rollout import build_engine
+    from megamu.engines import build_engine
 
     cfg = engine_config(args)
     return lambda hf_dir: build_engine(cfg, hf_dir)

@@ -12,6 +12,7 @@ from megamu.atomic import atomic_write_text
 from megamu.data.arithmetic import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
+from megamu.errors import ConfigError, check_non_negative, check_positive
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class PromptsConfig:
     answer_key: str = "answer"
     max_prompt_length: int = 1024
     skip_bad_rows: bool = False
+
+    def __post_init__(self):
+        check_positive(self, "prompts_per_stage", "max_prompt_length")
+        check_non_negative(self, "held_out", "builtin_rows")
+        if not self.files and not self.builtin_rows:
+            raise ConfigError("builtin_rows", "no prompt files and no built-in rows: nothing to train on")
 
 
 class Prompts:

@@ -11,8 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megamu.engines.types import Engine, GeneratedSample, GenerateRequest, SamplingParams
 from megamu.evaluation.metrics import avg_at_k
-from megamu.rollout.types import Engine, GeneratedSample, GenerateRequest, SamplingParams
 
 # App. B: pass@1 averaged over 16 samples for AIME24/25 and over 4 for AMC23/24 and MATH-500.
 DEFAULT_SAMPLES = {"aime24": 16, "aime25": 16, "amc23": 4, "amc24": 4, "math500": 4}

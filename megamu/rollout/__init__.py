@@ -1,59 +1,41 @@
-"""Rollout engines (in-process and SGLang), the stage dataset and the rollout phase driver."""
+"""Generating and storing a stage: the rollout phase (phase.py) writes the static dataset D_k (dataset.py).
+
+``RolloutConfig`` holds how a stage's samples are drawn and stored; which engine draws them is the engines' config.
+Nothing here imports the trainer (megamu.policy, megamu.training): the loops hand the phase an engine and prompts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megamu.rollout.types import Engine, GeneratedSample, GenerateRequest, SamplingParams
-
-__all__ = ["Engine", "EngineConfig", "GenerateRequest", "GeneratedSample", "SamplingParams", "build_engine",
-           "make_engine"]
-
-ENGINE_KINDS = ("local", "sglang")
+from megamu.engines.types import SamplingParams
+from megamu.errors import ConfigError, check_positive
+from megamu.reward.config import RewardConfig
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Which engine generates, as the trainer and tools/evaluate.py both configure it (flags: megamu.arguments)."""
+class RolloutConfig:
+    """How each stage's samples are drawn (G per prompt, seeded by stage), scored and written (shards of groups)."""
 
-    kind: str = "local"
-    dtype: str = "float32"  # the engine's weights: local engine's, SGLang servers' --dtype, and the HF exports'
-    max_batch_size: int = 128  # local engine: sequences decoded together
-    sglang_urls: tuple[str, ...] = ()  # running servers or a router; empty: launch servers
-    sglang_num_servers: int = 1
-    sglang_tp_size: int = 1
-    sglang_server_args: tuple[str, ...] = ()
-    sglang_python: str | None = None  # the Python that runs launched servers (None: this one), e.g. a CPU build's venv
-    sglang_env: tuple[tuple[str, str], ...] = ()  # added to launched servers' environment
-    weight_sync: str = "disk"  # how a colocated SGLang engine is refreshed: "disk" (HF export) or "memory"
-    sync_backend: str = "gloo"  # process group of in-memory pushes: the trainer device's (nccl on GPU, gloo on CPU)
+    n_samples: int = 8  # G
+    seed: int = 1234
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    groups_per_shard: int = 16
+    shards_per_call: int = 1  # engines that take whole calls (the local engine): shards per call
+    reward: RewardConfig = field(default_factory=RewardConfig)  # math-verify unless --reward code or --reward-fn
 
+    def __post_init__(self):
+        check_positive(self, "n_samples", "max_new_tokens", "groups_per_shard", "shards_per_call")
+        if self.n_samples < 2:
+            raise ConfigError("n_samples", "GRPO needs at least 2 samples per prompt for group advantages")
+        if not self.temperature > 0:
+            raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
 
-def make_engine(kind: str, hf_dir, **kwargs) -> Engine:
-    """``kind`` "local" (in-process transformers) or "sglang" (servers; imported only when asked for)."""
-    if kind == "local":
-        from megamu.rollout.local import LocalEngine
-
-        return LocalEngine(hf_dir, **kwargs)
-    if kind == "sglang":
-        from megamu.rollout.sglang import SGLangEngine
-
-        return SGLangEngine(hf_dir, **kwargs)
-    raise ValueError(f"unknown rollout engine {kind!r}; expected one of {ENGINE_KINDS} (--rollout-engine)")
-
-
-def build_engine(cfg: EngineConfig, hf_dir) -> Engine:
-    """The engine of ``cfg`` serving the weights in ``hf_dir``. Servers megamu did not start hold whatever they loaded
-    last, so they are given ``hf_dir`` first."""
-    if cfg.kind == "local":
-        import torch
-
-        return make_engine("local", str(hf_dir), dtype=getattr(torch, cfg.dtype), max_batch_size=cfg.max_batch_size)
-    urls = list(cfg.sglang_urls) or None
-    engine = make_engine(cfg.kind, str(hf_dir), urls=urls, num_servers=cfg.sglang_num_servers,
-                         tp_size=cfg.sglang_tp_size, extra_server_args=list(cfg.sglang_server_args), dtype=cfg.dtype,
-                         server_python=cfg.sglang_python, server_env=dict(cfg.sglang_env),
-                         weight_sync=cfg.weight_sync, sync_backend=cfg.sync_backend)
-    if urls:
-        engine.update_weights(hf_dir=str(hf_dir))
-    return engine
+    def sampling(self, stage: int, stop_token_ids: list[int]) -> SamplingParams:
+        """Stage k's sampling: its seed is seed + k, so each stage draws anew and a resumed stage draws the same."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                              seed=self.seed + stage, stop_token_ids=list(stop_token_ids))

@@ -22,6 +22,7 @@ import torch
 
 from megamu.atomic import atomic_write
 from megamu.data.prompts import PromptRecord
+from megamu.engines.types import Engine, GenerateRequest, SamplingParams, derive_seed
 from megamu.faults import crash_point
 from megamu.records import RolloutSample
 from megamu.rollout.dataset import (
@@ -34,7 +35,6 @@ from megamu.rollout.dataset import (
     write_manifest,
     write_shard,
 )
-from megamu.rollout.types import Engine, GenerateRequest, SamplingParams, derive_seed
 
 PLAN = "plan.json"
 
@@ -142,8 +142,9 @@ def _streamed_shards(engine, shard_requests: dict[int, list[GenerateRequest]], m
 
 
 def _called_shards(engine, shard_requests: dict[int, list[GenerateRequest]], shards_per_call: int):
-    """For engines without ``submit`` (LocalEngine): one ``generate`` call per ``shards_per_call`` shards, the next
-    call running in a thread while the caller scores and writes the shards of the last one."""
+    """For engines that take whole calls (``max_in_flight`` 0: LocalEngine): one ``generate`` call per
+    ``shards_per_call`` shards, the next call running in a thread while the caller scores and writes the shards of
+    the last one."""
     keys = list(shard_requests)
     calls = [keys[c : c + shards_per_call] for c in range(0, len(keys), shards_per_call)]
     gen = lambda call: engine.generate([r for k in call for r in shard_requests[k]])
@@ -192,8 +193,8 @@ def run_rollout_phase(
 ) -> StageManifest:
     """Generate, score and write a whole stage, resuming at the first missing shard; returns the manifest.
 
-    An engine with ``submit`` (SGLang) gets a continuous stream: ``max_in_flight`` requests (default twice its
-    concurrency) are kept running across shard boundaries, and each shard is scored and written as soon as its last
+    An engine with ``max_in_flight`` > 0 (SGLang) gets a continuous stream: that many requests (or ``max_in_flight``
+    given here) are kept running across shard boundaries, and each shard is scored and written as soon as its last
     group is in, while generation goes on. Other engines get ``shards_per_call`` shards per ``generate`` call, the
     next call running while the last one's shards are scored and written. Either way a shard's contents depend only
     on its prompts and seeds, and a crash loses only the shards not yet written.
@@ -222,13 +223,10 @@ def run_rollout_phase(
     n_tokens, reward_sum, n_done, t0 = 0, 0.0, 0, time.monotonic()
     missing = [k for k in range(len(chunks)) if not done[k]]
     shard_requests = {k: stage_requests(chunks[k], sampling, n_samples, stage) for k in missing}
-    if hasattr(engine, "check_requests"):  # every bad prompt of the stage named before any work is done
-        engine.check_requests([r for reqs in shard_requests.values() for r in reqs])
-    if hasattr(engine, "submit"):
-        in_flight = max_in_flight or 2 * getattr(getattr(engine, "config", None), "max_concurrency", 256)
-        stream = _streamed_shards(engine, shard_requests, in_flight)
-    else:
-        stream = _called_shards(engine, shard_requests, shards_per_call)
+    engine.check_requests([r for reqs in shard_requests.values() for r in reqs])  # every bad prompt, before any work
+    in_flight = max_in_flight or engine.max_in_flight
+    stream = _streamed_shards(engine, shard_requests, in_flight) if in_flight else \
+        _called_shards(engine, shard_requests, shards_per_call)
     t_last, written = time.monotonic(), 0
     for k, generated in stream:
         shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
@@ -275,7 +273,7 @@ def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_vers
         lengths += cols["response_length"]
     manifest = StageManifest(
         stage=stage, num_groups=len(rewards), group_size=group_size, num_shards=num_shards, shards=infos,
-        sampling=asdict(sampling), engine=getattr(engine, "name", type(engine).__name__), model_path=str(model_path),
+        sampling=asdict(sampling), engine=engine.name, model_path=str(model_path),
         policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
         **group_stats(rewards, finish, lengths),
     )

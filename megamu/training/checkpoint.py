@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import shutil
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
-from megamu.atomic import atomic_write_text
+from megamu.atomic import atomic_write_text, remove_dir
 from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, write_mcore_meta
 from megamu.convert.io import SafetensorsDir, make_temp_dir, replace_dir, write_index, write_shards
 from megamu.convert.tp import gather_tensor, shard_tensor
@@ -116,15 +115,6 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _all_gather(obj) -> list:
-    rank, world = _world()
-    if world == 1:
-        return [obj]
-    out: list = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _raise_any(errors: list, what: str) -> None:
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
@@ -152,8 +142,8 @@ def save_checkpoint(
     out = iteration_dir(save_dir, iteration)
     rank, world = _world()
     main = parallel.is_main_rank()
-    rngs = _all_gather(_rng_state())
-    tmp = Path(_all_gather(str(make_temp_dir(out)) if main else None)[0])
+    rngs = parallel.all_gather_object(_rng_state())
+    tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
     owner = writer_of([(n, p.numel()) for n, p in _named_params(model)], world)
     error, parts = None, {}
     for part, items in (("model", ((n, gather_tensor(n, p, arch)) for n, p in _named_params(model))),
@@ -166,7 +156,7 @@ def save_checkpoint(
                 error = f"{type(e).__name__}: {e}"
         for _ in items:
             pass
-    written = _all_gather((error, parts))
+    written = parallel.all_gather_object((error, parts))
     error = None
     if main:
         try:
@@ -192,7 +182,7 @@ def save_checkpoint(
             error = str(e)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
-    _raise_any(_all_gather(error), f"saving checkpoint {out}")
+    _raise_any(parallel.all_gather_object(error), f"saving checkpoint {out}")
     return out
 
 
@@ -219,29 +209,8 @@ def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
     # temp/old folders of atomic_dir and half deletions, left by a killed run (one run writes a save_dir at a time)
     doomed += [d for d in save_dir.glob(".iter_*") if d.is_dir()]
     for d in doomed:
-        _remove_dir(d)
+        remove_dir(d)
     return doomed
-
-
-def _remove_dir(d: Path) -> None:
-    """Rename out of the visible namespace first, so a crash mid-delete leaves no half folder that looks complete."""
-    trash = d if d.name.startswith(".") else d.with_name(f".{d.name}.deleting-{os.getpid()}")
-    if trash != d:
-        os.replace(d, trash)
-    shutil.rmtree(trash)
-
-
-def prune_stage_export(hf_dir: str | Path, rollout_manifest: str | Path) -> bool:
-    """Delete a stage's HF export (``hf/stage_k``) once the rollout it served is durable (its manifest is written):
-    the stage's data no longer needs it, and a resume skips that rollout. Returns whether a folder was deleted.
-    Callers keep ``hf/final`` and the ``--hf-export-interval`` folders by never passing them."""
-    hf_dir = Path(hf_dir)
-    if not Path(rollout_manifest).exists() or not hf_dir.is_dir():
-        return False
-    _remove_dir(hf_dir)
-    for leftover in hf_dir.parent.glob(f".{hf_dir.name}.deleting-*"):  # a delete a killed run left half done
-        shutil.rmtree(leftover)
-    return True
 
 
 def latest_iteration(load_dir: str | Path) -> int | None:

@@ -59,6 +59,9 @@ class OptimizerConfig:
             raise ConfigError("lr_warmup_iters", f"must be >= 0, got {self.lr_warmup_iters}")
         if self.max_skipped_steps < 0:
             raise ConfigError("max_skipped_steps", f"must be >= 0, got {self.max_skipped_steps}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
 
     def lr_at(self, update: int) -> float:
         if self.lr_warmup_iters and update < self.lr_warmup_iters:

@@ -190,7 +190,6 @@ def compute_logprobs(
             results[i] = values
         done += len(chunk)
     if size > 1:
-        gathered: list[dict[int, list[float]] | None] = [None] * size
-        dist.all_gather_object(gathered, results, group=parallel.dp_group())
+        gathered = parallel.all_gather_object(results, group=parallel.dp_group())
         results = {k: v for part in gathered for k, v in part.items()}
     return [results[i] for i in range(len(samples))]

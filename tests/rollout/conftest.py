@@ -16,7 +16,7 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture
 def server(tiny_llama):
     """A schema-checking stand-in for an SGLang server that generates with the local engine."""
-    from megamu.rollout.local import LocalEngine
+    from megamu.engines.local import LocalEngine
     from tests.rollout.schema_server import SchemaServer
 
     srv = SchemaServer(LocalEngine(tiny_llama))

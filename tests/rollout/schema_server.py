@@ -13,7 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megamu.rollout.types import GenerateRequest, SamplingParams
+from megamu.engines.types import GenerateRequest, SamplingParams
 
 
 class SchemaServer:

@@ -2,13 +2,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from megamu.data.prompts import PromptRecord
+from megamu.engines.types import EngineBase, GeneratedSample, SamplingParams
 from megamu.rollout.dataset import MANIFEST, SCHEMA, StageDataset, StageDatasetError
 from megamu.rollout.phase import run_rollout_phase
-from megamu.rollout.types import GeneratedSample, SamplingParams
 from megamu.tiny import build_char_tokenizer
 
 
-class FakeEngine:
+class FakeEngine(EngineBase):
     """Deterministic outputs that encode (prompt_id, sample_index), so every row can be checked."""
 
     name = "fake"

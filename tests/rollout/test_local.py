@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megamu.rollout.local import LocalEngine, sample_tokens
-from megamu.rollout.types import GenerateRequest, SamplingParams
+from megamu.engines.local import LocalEngine, sample_tokens
+from megamu.engines.types import GenerateRequest, SamplingParams
 
 
 def _requests(sampling, lengths=(3, 11, 6, 17), prefix=()):
@@ -155,7 +155,7 @@ def test_eos_ids_from_config_and_generation_config(tmp_path):
 
 
 def test_shared_prefix_length_leaves_every_prompt_a_token():
-    from megamu.rollout.local import shared_prefix_length
+    from megamu.engines.local import shared_prefix_length
 
     assert shared_prefix_length([[1, 2, 3, 9], [1, 2, 4]]) == 2
     assert shared_prefix_length([[1, 2], [1, 2, 3]]) == 1  # the shorter prompt keeps its last token

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megamu.rollout import make_engine
-from megamu.rollout.local import LocalEngine
-from megamu.rollout.sglang import SGLangEngine, SGLangError, _stop_processes, parse_sample
-from megamu.rollout.types import GenerateRequest, SamplingParams
+from megamu.engines import make_engine
+from megamu.engines.local import LocalEngine
+from megamu.engines.sglang.client import SGLangEngine, SGLangError, _stop_processes, parse_sample
+from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
 
@@ -199,7 +199,7 @@ def test_port_in_use_is_refused_before_launch(tmp_path):
 
 ORPHAN_PARENT = """
 import subprocess, sys, time
-from megamu.rollout.sglang_server import _die_with_parent
+from megamu.engines.sglang.launch import _die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
                          preexec_fn=_die_with_parent)
 print(child.pid, flush=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megamu.rollout.sglang import SGLangEngine
-from megamu.rollout.sglang_server import SGLangConfig
-from megamu.rollout.types import GenerateRequest, SamplingParams
+from megamu.engines.sglang.client import SGLangEngine
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.torchrun import free_port, run_torchrun
 
@@ -66,14 +66,15 @@ def test_engine_flags(tmp_path):
     base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
     cfg = parse_args(base + ["--rollout-mode", "colocated", "--sglang-python", "/v/bin/python", "--sglang-env",
                              "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"], device=Device("cpu"))
-    e = cfg.rollout.engine
-    assert (e.weight_sync, e.dtype, e.sync_backend, e.sglang_python) == ("memory", "float32", "gloo", "/v/bin/python")
-    assert e.sglang_env == (("SGLANG_USE_CPU_ENGINE", "1"), ("PYTHONPATH", "/x/stubs"))
+    e = cfg.engine
+    assert (e.sglang.weight_sync, e.dtype, e.sglang.sync_backend, e.sglang.server_python) == (
+        "memory", "float32", "gloo", "/v/bin/python")
+    assert e.sglang.server_env == {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": "/x/stubs"}
     assert cfg.policy.export_dtype is None  # the training precision (Policy.export_dtype)
-    staged = parse_args(base, device=Device("cuda")).rollout.engine
+    staged = parse_args(base, device=Device("cuda")).engine.sglang
     assert (staged.weight_sync, staged.sync_backend) == ("disk", "nccl")
     bf16 = parse_args(base + ["--bf16"], device=Device("cuda"))
-    assert bf16.rollout.engine.dtype == "bfloat16"  # servers run what is exported: the training precision
+    assert bf16.engine.dtype == "bfloat16"  # servers run what is exported: the training precision
     assert "HF exports bf16, engine bfloat16" in bf16.describe()
     device_row = [row.split(None, 1) for row in bf16.describe().splitlines() if row.split()[0] == "device"]
     assert device_row[0][1].startswith("cuda, ")  # named without creating a CUDA context

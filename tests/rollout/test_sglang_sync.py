@@ -4,10 +4,10 @@ versions, weight layouts; launch settings; the streamed rollout phase; the piece
 import pytest
 import torch
 
-from megamu.rollout.local import LocalEngine
-from megamu.rollout.sglang import SGLangEngine, SGLangError
-from megamu.rollout.sglang_server import SGLangConfig, server_command, server_env
-from megamu.rollout.sglang_sync import (
+from megamu.engines.local import LocalEngine
+from megamu.engines.sglang.client import SGLangEngine, SGLangError
+from megamu.engines.sglang.launch import SGLangConfig, server_command, server_env
+from megamu.engines.sglang.weight_sync import (
     LogprobProbe,
     ModelLayout,
     WeightMismatch,
@@ -16,7 +16,7 @@ from megamu.rollout.sglang_sync import (
     compare_probe,
     flatten,
 )
-from megamu.rollout.types import GenerateRequest, PromptError, SamplingParams
+from megamu.engines.types import EngineBase, GenerateRequest, PromptError, SamplingParams
 from megamu.tiny import save_tiny_model
 
 
@@ -144,7 +144,7 @@ def test_streamed_phase_writes_the_same_shards_and_keeps_them_after_a_failure(se
     kw = dict(sampling=SAMPLING, n_samples=3, scorer=ParityScorer(), tokenizer=tok, stage=1, groups_per_shard=2)
     client = _client(server, max_concurrency=2)
 
-    class CallByCall:  # the same server through generate() only: the phase's call-by-call path, as before streaming
+    class CallByCall(EngineBase):  # the same server through generate() only: the call-by-call path
         name = "sglang"
         generate = client.generate
 

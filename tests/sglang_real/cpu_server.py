@@ -6,7 +6,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from megamu.rollout.sglang_server import SGLangConfig
+from megamu.engines.sglang.launch import SGLangConfig
 
 API_KEY = "megamu-real-server-test-key"
 # launch.sh's flags, minus what megamu passes itself (--model-path, --host, --port, --tp-size, --dtype, --api-key)

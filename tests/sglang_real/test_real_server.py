@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megamu.rollout.sglang import SGLangEngine, SGLangError
-from megamu.rollout.sglang_sync import LogprobProbe, WeightMismatch
-from megamu.rollout.types import GenerateRequest, PromptError, SamplingParams
+from megamu.engines.sglang.client import SGLangEngine, SGLangError
+from megamu.engines.sglang.weight_sync import LogprobProbe, WeightMismatch
+from megamu.engines.types import GenerateRequest, PromptError, SamplingParams
 from megamu.tiny import save_tiny_model
 from tests.processes import pid_alive
 from tests.sglang_real.cpu_server import API_KEY, cpu_config, group_members

@@ -98,7 +98,7 @@ class CanonicalEngine:
         self.table, self.by_prompt = table, by_prompt
 
     def generate(self, requests):
-        from megamu.rollout.types import GeneratedSample
+        from megamu.engines.types import GeneratedSample
 
         out = []
         for r in requests:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megamu.engines.types import GeneratedSample
 from megamu.evaluation import (
     EvalSettings,
     avg_at_k,
@@ -18,7 +19,6 @@ from megamu.evaluation import (
     parse_benchmarks,
     run_checkpoints,
 )
-from megamu.rollout.types import GeneratedSample
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data"

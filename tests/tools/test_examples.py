@@ -73,7 +73,7 @@ def test_example_dry_run_matches_paper(model, method, tmp_path, monkeypatch, cap
         1e-6, 0, 0.01, 0.9, 0.999)
     assert (rollout.temperature, rollout.top_p) == (1.0, 1.0)
     assert cfg.prompts.max_prompt_length + rollout.max_new_tokens == MODELS[model]
-    assert cfg.policy.bf16 and rollout.engine.kind == "sglang" and not cfg.recompute_behaviour_logprobs
+    assert cfg.policy.bf16 and cfg.engine.kind == "sglang" and not cfg.recompute_behaviour_logprobs
     assert cfg.tensor_model_parallel_size in (1, 2, 4) and 4 % cfg.tensor_model_parallel_size == 0
     if method == "mu_grpo":  # relaxed clip [0, 5] and sequence-scope veto at τ = 1e-4
         assert (1 - algo.clip_low, 1 + algo.clip_high) == (0.0, 5.0)
@@ -95,8 +95,8 @@ def test_async_examples_are_table_2(method, lag, algorithm, tmp_path, monkeypatc
     assert (plan["rollout_mode"], plan["algorithm"], plan["max_policy_lag"]) == ("async", algorithm, lag)
     assert (plan["total_updates"], plan["prompts_per_update"], plan["n_samples_per_prompt"]) == (4096, 32, 8)
     assert plan["weight_sync_interval"] == 4 and plan["weight_syncs"] == 4095 // 4
-    assert cfg.rollout.rollout_devices == "2,3" and cfg.rollout.engine.sglang_num_servers == 2
-    assert cfg.rollout.engine.kind == "sglang" and cfg.tensor_model_parallel_size == 2
+    assert cfg.async_.rollout_devices == "2,3" and cfg.engine.sglang.num_servers == 2
+    assert cfg.engine.kind == "sglang" and cfg.tensor_model_parallel_size == 2
     if method == "mu_grpo_async":
         assert (1 - cfg.algo.clip_low, 1 + cfg.algo.clip_high, cfg.algo.veto_threshold) == (0.0, 5.0, 1e-4)
     else:

@@ -54,7 +54,7 @@ def test_stage_flags_parse(tmp_path):
     for device in (Device("cpu"), Device("cuda")):
         cfg = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", device.is_cuda), device=device)
         assert cfg.plan.num_stages == 1 and cfg.plan.mu == 2 and cfg.policy.bf16 == device.is_cuda
-        assert cfg.rollout.engine.kind == "local"
+        assert cfg.engine.kind == "local"
         assert cfg.policy.transformer_impl == ("local" if device.is_cuda else None)
 
 

@@ -143,16 +143,18 @@ def test_failed_write_leaves_previous_checkpoint_untouched(run, tmp_path, monkey
 
 
 def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
-    from megamu.training.checkpoint import prune_stage_export
+    from megamu.run_dir import RunDir
 
+    run = RunDir(tmp_path)
+    prune_stage_export = lambda: run.prune_stage_export(0)
     hf = tmp_path / "hf" / "stage_0"
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     manifest = tmp_path / "rollouts" / "stage_0" / "manifest.json"
-    assert not prune_stage_export(hf, manifest) and hf.exists()  # rollout not finished: the export may be needed
+    assert not prune_stage_export() and hf.exists()  # rollout not finished: the export may be needed
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")
     (tmp_path / "hf" / ".stage_0.deleting-1").mkdir()  # left by a killed delete
-    assert prune_stage_export(hf, manifest)
+    assert prune_stage_export()
     assert list((tmp_path / "hf").iterdir()) == []
-    assert not prune_stage_export(hf, manifest)  # idempotent on resume
+    assert not prune_stage_export()  # idempotent on resume

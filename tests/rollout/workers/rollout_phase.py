@@ -3,8 +3,8 @@
 import sys
 
 from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION
+from megamu.engines.local import LocalEngine
 from megamu.reward import RewardScorer
-from megamu.rollout.local import LocalEngine
 from megamu.rollout.phase import run_rollout_phase
 from megamu.tiny import build_char_tokenizer
 from tests.rollout.test_phase import SAMPLING, make_prompts

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megamu.rollout.sglang_nodes import start_sglang
-from megamu.rollout.sglang_server import SGLangConfig
-from megamu.rollout.types import GenerateRequest, SamplingParams
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.nodes import start_sglang
+from megamu.engines.types import GenerateRequest, SamplingParams
 
 
 def main(model_dir: str, record: str, port_base: int) -> None:

@@ -1,7 +1,7 @@
 """The async rollout engine process (``--rollout-mode async``, paper §5.1) and the durable queue it fills.
 
-Run as ``python -m megamu.rollout.async_worker <queue_dir>``: a fresh interpreter (no forked torch/OpenMP state,
-no re-import of the trainer's ``__main__``), started and stopped by ``megamu.rollout.async_mode.AsyncRollout``.
+Run as ``python -m megamu.loop.async_worker <queue_dir>``: a fresh interpreter (no forked torch/OpenMP state,
+no re-import of the trainer's ``__main__``), started and stopped by ``megamu.loop.async_.AsyncRollout``.
 
 The queue directory ``<run>/rollouts/async/`` holds:
 - ``shard-NNNNN.parquet``: complete scored groups, the stage-dataset shard format (megamu.rollout.dataset). Shard k
@@ -33,11 +33,11 @@ from pathlib import Path
 from megamu.atomic import atomic_write_text
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import PromptRecord
+from megamu.engines import EngineConfig
+from megamu.engines.types import SamplingParams
 from megamu.faults import crash_point
 from megamu.reward.config import RewardConfig
-from megamu.rollout import EngineConfig
 from megamu.rollout.dataset import shard_name, write_shard
-from megamu.rollout.types import SamplingParams
 
 CONFIG, WEIGHTS, CONSUMED, LOADED, LOCK, LOG = (
     "worker_config.pkl", "weights.json", "consumed.json", "loaded.json", "worker.lock", "worker.log")
@@ -90,8 +90,8 @@ def prompts_at(prompts: list[PromptRecord], seed: int, start: int, count: int) -
 def run_worker(cfg: WorkerConfig) -> None:
     import torch
 
+    from megamu.engines import build_engine
     from megamu.reward import make_scorer
-    from megamu.rollout import build_engine
     from megamu.rollout.phase import generate_groups
 
     print(f"[async worker {os.getpid()}] started by trainer {cfg.parent_pid}", flush=True)

@@ -18,15 +18,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
+
 # Set by torchrun / torch.distributed.elastic for the trainer's own ranks (torch/distributed/run.py).
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
 TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
+WEIGHT_SYNCS = ("disk", "memory")  # /update_weights_from_disk, or an in-memory push
+
+
 @dataclass
 class SGLangConfig:
-    """Everything the SGLang engine needs; arguments.py builds it from the --sglang-* flags."""
+    """Everything the SGLang engine needs: where its servers are (or how to launch them), its client's limits and
+    how weights reach it. ``dtype`` is set by ``megamu.engines.build_engine`` from ``EngineConfig.dtype``."""
 
     urls: list[str] = field(default_factory=list)  # running servers or a router; empty: megamu launches servers
     num_servers: int = 1  # per node
@@ -34,7 +40,7 @@ class SGLangConfig:
     api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
     host: str = "127.0.0.1"  # where launched servers listen; another node's rank 0 needs a routable address
     port_base: int = 30000
-    dtype: str = "float32"  # --dtype of launched servers: the export's dtype (bfloat16 when training with --bf16)
+    dtype: str = "float32"  # --dtype of launched servers (their compute precision)
     server_python: str | None = None  # the Python that runs sglang.launch_server (None: this one)
     server_env: dict[str, str] = field(default_factory=dict)  # added to the launched servers' environment
     extra_server_args: list[str] = field(default_factory=list)  # e.g. the CPU flags of shared/sglang-cpu/launch.sh
@@ -52,11 +58,16 @@ class SGLangConfig:
     vocab_size: int | None = None  # None: read from the served model's config.json when it is readable here
 
     def __post_init__(self):
-        if self.weight_sync not in ("disk", "memory"):
-            raise ValueError(f"weight_sync must be 'disk' or 'memory', not {self.weight_sync!r} (--weight-sync)")
+        check_choice(self, "weight_sync", WEIGHT_SYNCS)
+        check_choice(self, "sync_backend", ("gloo", "nccl"))
+        check_positive(self, "num_servers", "tp_size", "max_concurrency", "port_base")
+        check_non_negative(self, "max_retries")
+        for name in ("startup_timeout_s", "request_timeout_s", "weight_bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
         if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_server_args):
-            raise ValueError("give the server dtype once, as SGLangConfig.dtype, not in the server args: it must "
-                             "match the dtype of the weights megamu exports")
+            raise ConfigError("extra_server_args", "give the server dtype once, as SGLangConfig.dtype, not in the "
+                                                   "server args: it must match the dtype of the weights megamu exports")
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -157,16 +168,3 @@ def launch_servers(cfg: SGLangConfig, hf_dir: str, api_key: str, procs: list[sub
 
 class PortInUse(RuntimeError):
     pass
-
-
-def gather_node_urls(local_urls: list[str]) -> list[str]:
-    """Multi-node: every rank passes the URLs its node's local rank 0 launched (others pass []); every rank gets all
-    of them, node by node. Global rank 0 then builds ``SGLangEngine(None, config with urls=...)`` and dispatches over
-    all servers; each node's local rank 0 keeps its own ``SGLangEngine`` (or process list) to stop its servers."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return list(local_urls)
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(local_urls))
-    return [u for urls in gathered for u in (urls or [])]

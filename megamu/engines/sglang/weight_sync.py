@@ -13,13 +13,15 @@ other ranks are the servers' TP workers. The group is made exactly as the server
 from __future__ import annotations
 
 import json
-import socket
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from megamu.net import free_port
+from megamu.weights import LogprobProbe
 
 # safetensors' dtype names -> torch's (the names SGLang's /update_weights_from_distributed takes)
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -92,19 +94,6 @@ def check_layout(new: ModelLayout, running: ModelLayout, server_dtype: str | Non
             raise WeightMismatch(f"{what}: tensor {name} is {dtype}, the server runs {want}")
 
 
-@dataclass
-class LogprobProbe:
-    """A sequence and the trainer's teacher-forced log-probs of its tokens after the first, at temperature 1.
-
-    After a sync the mean |difference| between the server's log-probs of the same tokens and these must be within
-    ``tolerance`` (derive it from the dtype: bf16 keeps 8 bits of mantissa); weights of another model are off by
-    ~1 nat. This is the stage-start ratio-1 check, made cheap."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # len(token_ids) - 1 values: log p(token_ids[i] | token_ids[:i]) for i >= 1
-    tolerance: float
-
-
 def compare_probe(probe: LogprobProbe, served: list[float], what: str) -> float:
     """Mean |served - trainer| over the probe's tokens; raises WeightMismatch beyond the tolerance."""
     if len(served) != len(probe.logprobs) or not served:
@@ -139,12 +128,6 @@ def buckets(state_dict: dict, bucket_bytes: int) -> list[list[str]]:
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The bytes of ``tensors`` back to back, as SGLang's FlattenedTensorBucket expects them."""
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def open_weight_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,13 +78,62 @@ def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, max_i
 
 
 class Engine(Protocol):
+    """What the rollout phase and the loops use of an engine. ``EngineBase`` gives the defaults a batch-at-a-time
+    engine needs, so only engines that stream (SGLang) write ``submit`` and ``max_in_flight``."""
+
+    name: str  # recorded in each stage manifest
+    max_in_flight: int  # requests the phase keeps submitted at once; 0: it hands over whole shards to ``generate``
+
+    def check_requests(self, requests: list[GenerateRequest]) -> None:
+        """Raise PromptError naming every request the engine would refuse, before any work is done."""
+        ...
+
     def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
         """n samples per request, grouped by request, in request order."""
         ...
 
-    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None) -> None: ...
+    def submit(self, index: int, request: GenerateRequest) -> Future:
+        """One request; the future's result is its n samples (``index`` only labels it)."""
+        ...
+
+    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
+                       probe=None):
+        """Serve new weights (a folder or HF-named tensors); an engine that can check them returns a report."""
+        ...
 
     def shutdown(self) -> None: ...
+
+
+class EngineBase:
+    """Defaults of the Engine protocol for an engine that generates a whole call at a time."""
+
+    max_in_flight = 0
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def check_requests(self, requests: list[GenerateRequest]) -> None:
+        check_prompts(requests, vocab_size=None, max_input_len=None)
+
+    def submit(self, index: int, request: GenerateRequest) -> Future:
+        """Runs the request now, in the caller's thread: there is nothing to overlap it with."""
+        f: Future = Future()
+        try:
+            f.set_result(self.generate([request]))
+        except Exception as e:
+            f.set_exception(e)
+        return f
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
+        raise NotImplementedError
+
+    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
+                       probe=None):
+        raise NotImplementedError(f"{self.name} cannot load new weights")
+
+    def shutdown(self) -> None:
+        pass
 
 
 def derive_seed(*parts: int) -> int:

@@ -27,15 +27,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.rollout.sglang_server import (
+from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
     launch_servers,
     log_tail,
     stop_processes,
 )
-from megamu.rollout.sglang_server import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
-from megamu.rollout.types import (
+from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
+from megamu.engines.types import (
     GeneratedSample,
     GenerateRequest,
     SamplingParams,
@@ -202,7 +202,7 @@ class SGLangEngine:
 
     def _read_limits(self, infos: list[dict], model_path: str | None) -> None:
         """What prompts, syncs and samples are checked against: vocabulary, input limit, dtype, layout, version."""
-        from megamu.rollout.sglang_sync import ModelLayout, WeightMismatch
+        from megamu.engines.sglang.weight_sync import ModelLayout, WeightMismatch
 
         honours = [i.get("enable_deterministic_inference") if i else None for i in infos]
         self.deterministic = None if None in honours or not honours else all(bool(h) for h in honours)
@@ -319,6 +319,12 @@ class SGLangEngine:
                               f"{self.weight_version}")
         return samples
 
+    @property
+    def max_in_flight(self) -> int:
+        """Requests the rollout phase keeps submitted: twice the pool's, so a finished request's slot is refilled at
+        once while the phase scores and writes a shard."""
+        return 2 * self.config.max_concurrency
+
     def submit(self, index: int, request: GenerateRequest) -> Future:
         """Start one request (its n samples) in the background; the future holds its samples, in order."""
         return self._pool.submit(self._generate_one, index, request)
@@ -347,6 +353,6 @@ class SGLangEngine:
         """Sync every server to new weights (an HF folder, or an HF-named state dict sent in memory); returns a
         SyncReport. Refused before anything is sent when the weights do not fit the running model; ``version`` (the
         policy version; default: one more than the last) is set on the servers and checked on every sample."""
-        from megamu.rollout.sglang_sync import sync_weights
+        from megamu.engines.sglang.weight_sync import sync_weights
 
         return sync_weights(self, hf_dir, state_dict, version, probe)

@@ -12,8 +12,9 @@ import os
 import secrets
 from dataclasses import replace
 
-from megamu.rollout.sglang import SGLangEngine, SGLangError
-from megamu.rollout.sglang_server import SGLangConfig
+from megamu import parallel
+from megamu.engines.sglang.client import SGLangEngine, SGLangError
+from megamu.engines.sglang.launch import SGLangConfig
 
 
 def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | None, SGLangEngine | None]:
@@ -29,17 +30,15 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
     rank = dist.get_rank()
     if cfg.urls:
         return (SGLangEngine(hf_dir, cfg) if rank == 0 else None), None
-    box = [cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16)]
-    dist.broadcast_object_list(box, src=0)
-    cfg = replace(cfg, api_key=box[0])
+    cfg = replace(cfg, api_key=parallel.broadcast_object(
+        cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16)))
     node, error = None, ""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         try:
             node = SGLangEngine(hf_dir, cfg)
         except (SGLangError, OSError, ValueError) as e:
             error = f"rank {rank}: {e}"
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (node.urls if node else [], error))
+    gathered = parallel.all_gather_object((node.urls if node else [], error))
     errors = [e for _, e in gathered if e]
     if errors:  # every rank raises, so none waits forever for a node that failed
         if node is not None:

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megamu.rollout.types import GeneratedSample, GenerateRequest, SamplingParams, sample_seed
+from megamu.engines.types import (
+    EngineBase,
+    GeneratedSample,
+    GenerateRequest,
+    SamplingParams,
+    check_prompts,
+    sample_seed,
+)
 
 
 @dataclass
@@ -140,7 +147,7 @@ def sample_tokens(
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
-class LocalEngine:
+class LocalEngine(EngineBase):
     """Generate with a transformers causal LM in this process (the CPU default; same shapes as SGLangEngine)."""
 
     name = "local"
@@ -164,8 +171,10 @@ class LocalEngine:
         pad = self.model.generation_config.pad_token_id
         self.pad_id = pad if isinstance(pad, int) else min(self.eos_ids, default=0)
 
-    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Reload from an HF folder, or copy an in-memory state dict with HF parameter names."""
+    def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
+                       probe=None) -> None:
+        """Reload from an HF folder, or copy an in-memory state dict with HF parameter names. In-process, the model
+        is exactly what it was given, so there is no version or probe to check."""
         if (hf_dir is None) == (state_dict is None):
             raise ValueError("update_weights needs exactly one of hf_dir or state_dict")
         if hf_dir is not None:
@@ -182,6 +191,9 @@ class LocalEngine:
 
     def shutdown(self) -> None:
         self.model = None
+
+    def check_requests(self, requests: list[GenerateRequest]) -> None:
+        check_prompts(requests, vocab_size=self.model.config.vocab_size, max_input_len=None)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
         rows: list[_Row] = []

@@ -1,0 +1,195 @@
+"""The staged loop (μ-GRPO, paper §4) and its colocated variant (the fair standard-GRPO baseline).
+
+Each stage k: θ_k is published to the engine as β_k, the trainer offloads, rank 0's engine generates the static
+dataset D_k, the trainer onloads, the stage's HF export is pruned, and μ updates run on D_k. The two modes differ only
+in how the weights reach the engine (``StageEngine.wants``):
+- staged: every stage exports θ_k as an HF folder, starts an engine on it, and stops the engine after D_k is written,
+  so its memory is free for the μ updates;
+- colocated: the engine starts once from a folder and stays up; later stages push the new weights into it, in memory
+  (the local engine; SGLang with --weight-sync memory) or from a folder (SGLang with --weight-sync disk). Each SGLang
+  push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync" record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megamu import parallel
+from megamu.data.prompts import PromptRecord, stop_token_ids
+from megamu.engines import Engine, EngineConfig, build_engine
+from megamu.loop.heldout import evaluate_held_out
+from megamu.metrics import MetricsLogger
+from megamu.rollout import RolloutConfig
+from megamu.rollout.dataset import StageDataset
+from megamu.rollout.phase import run_rollout_phase
+from megamu.run_dir import RunDir
+from megamu.weights import Weights
+
+STAGED_MODES = ("staged", "colocated")
+PROBE_TOKENS = 32  # tokens of the first held-out prompt whose log-probs check each SGLang push
+
+
+@dataclass(frozen=True)
+class WeightRequest:
+    """What the engine takes next: an HF folder to start (or reload) from, HF-named tensors to push, and whether a
+    log-prob probe must check the push."""
+
+    folder: bool
+    tensors: bool = False
+    probe_ids: list[int] | None = None
+
+
+class StageEngine:
+    """Rank 0's engine through the stages (other ranks keep only what every rank must agree on: ``warm``)."""
+
+    def __init__(self, mode: str, engine: EngineConfig, rollout: RolloutConfig, run_dir: RunDir, tokenizer,
+                 metrics: MetricsLogger, held_out: list[PromptRecord]):
+        if mode not in STAGED_MODES:
+            raise ValueError(f"StageEngine runs the {STAGED_MODES} modes, not {mode!r}")
+        self.mode, self.engine_cfg, self.cfg, self.run_dir = mode, engine, rollout, run_dir
+        self.tokenizer, self.metrics, self.held_out = tokenizer, metrics, held_out
+        self.engine: Engine | None = None  # rank 0 only
+        self.scorer = None  # rank 0 only, created with the first engine
+        self.hf_dir: Path | None = None  # the folder the next engine starts from
+        self.warm = False  # every rank: whether rank 0's engine stays up between stages (colocated, after stage 0)
+        self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
+
+    def sampling(self, stage: int):
+        return self.cfg.sampling(stage, stop_token_ids(self.tokenizer))
+
+    def wants(self) -> WeightRequest:
+        """Staged, or the first colocated stage: a folder. Later colocated stages: tensors for the local engine and
+        for SGLang's memory sync (probed), a folder for SGLang's disk sync (probed)."""
+        if not self.warm:
+            return WeightRequest(folder=True)
+        if self.engine_cfg.kind == "local":
+            return WeightRequest(folder=False, tensors=True)
+        probe = self.held_out[0].prompt_ids[:PROBE_TOKENS] if self.held_out else None
+        memory = self.engine_cfg.sglang.weight_sync == "memory"
+        return WeightRequest(folder=not memory, tensors=memory, probe_ids=probe)
+
+    def load(self, weights: Weights, stage: int) -> None:
+        """β_k's weights: the folder the next engine starts from, or a push into the running engine (rank 0)."""
+        self.hf_dir = weights.hf_dir or self.hf_dir  # the folder the stage's manifest names as its model
+        if not self.warm:
+            return
+        if not parallel.is_main_rank():
+            return
+        hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
+        report = self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
+                                            probe=weights.probe)
+        if report is not None:  # engines that check a push (SGLang) report it
+            self.metrics.log("sync", step=stage, stage=stage, mode=report.mode, t_sync=report.seconds,
+                             bytes=report.bytes, weight_version=report.version,
+                             probe_mean_abs_diff=report.probe_mean_abs_diff)
+
+    def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
+        """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0)."""
+        if not parallel.is_main_rank():
+            return
+        if self.engine is None:
+            self.engine = build_engine(self.engine_cfg, self.hf_dir)
+        run_rollout_phase(self.engine, prompts, self.run_dir.stage_rollouts(stage), sampling=self.sampling(stage),
+                          n_samples=self.cfg.n_samples, scorer=self._scorer(), tokenizer=self.tokenizer,
+                          stage=stage, policy_version=version, groups_per_shard=self.cfg.groups_per_shard,
+                          shards_per_call=self.cfg.shards_per_call, model_path=str(self.hf_dir or ""))
+
+    def evaluate(self, stage: int, label: str, weights: Weights | None = None) -> None:
+        """Held-out greedy accuracy of the engine's weights, or of ``weights`` (an HF folder) loaded first (rank 0)."""
+        if not (parallel.is_main_rank() and self.held_out):
+            return
+        if weights is not None and self.engine is not None:
+            self.engine.update_weights(hf_dir=str(weights.hf_dir))
+        elif weights is not None:
+            self.engine = build_engine(self.engine_cfg, weights.hf_dir)
+        _, self.t_eval = evaluate_held_out(self.engine, self.held_out, self.sampling(stage), self._scorer(),
+                                           self.tokenizer, self.metrics, stage=stage, label=label)
+
+    def release(self) -> None:
+        """After D_k: staged mode stops the engine, so its memory is free for the optimisation (§4, Phase 1);
+        colocated mode keeps it for the next push."""
+        if self.mode == "staged" and self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        self.warm = self.mode == "colocated"
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
+
+    def _scorer(self):
+        if self.scorer is None:
+            from megamu.reward import make_scorer
+
+            self.scorer = make_scorer(self.cfg.reward)
+        return self.scorer
+
+
+def train_staged(run) -> None:
+    """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
+    cfg, plan, policy, run_dir = run.cfg, run.plan, run.policy, run.run_dir
+    engine = StageEngine(plan.rollout_mode, cfg.engine, cfg.rollout, run_dir, run.tokenizer, run.metrics,
+                         run.prompts.held_out)
+    for stage in range(run.state.stage, plan.num_stages):
+        done = run_dir.stage_done(stage)
+        parallel.barrier()  # every rank has looked before rank 0 can write D_k: all take the same branch
+        t0 = t1 = time.perf_counter()
+        if not done:
+            want = engine.wants()
+            weights = policy.weights(hf_dir=run_dir.stage_export(stage) if want.folder else None,
+                                     tensors=want.tensors, probe_ids=want.probe_ids)  # 1. θ_k -> β_k (collective)
+            engine.load(weights, stage)
+            t1 = time.perf_counter()
+            policy.offload()  # 2. the trainer gives the device back (§4)
+            engine.generate(stage, run.prompts.for_stage(stage), policy.version)  # 3. rank 0 writes D_k
+            if stage == 0:
+                engine.evaluate(stage, "base")  # the held-out baseline, on the stage-0 engine
+            engine.release()  # 4. staged: the engine exits and frees its memory
+            parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
+            policy.onload()  # 5. the trainer's state comes back, bit for bit
+            if parallel.is_main_rank():
+                run_dir.prune_stage_export(stage)  # 6. D_k is durable: hf/stage_k is no longer needed
+            parallel.barrier()
+        t2 = time.perf_counter()
+        dataset = StageDataset(run_dir.stage_rollouts(stage))
+        optimise(run, stage, dataset, engine.t_eval)  # 7. μ updates on the static D_k
+        run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
+    engine.evaluate(plan.num_stages, "final", run.export_final())
+    engine.close()
+
+
+def optimise(run, stage: int, dataset: StageDataset, t_eval: float) -> None:
+    """μ updates on the static dataset D_k, resuming at the checkpoint's update; an ETA line after the first."""
+    cfg, plan, state = run.cfg, run.plan, run.state
+    start = state.update - stage * plan.mu
+    batches = dataset.minibatches(plan.prompts_per_update, seed=cfg.seed + stage, start_update=start,
+                                  num_updates=plan.mu)
+    anchors = run.policy.behaviour_anchors(dataset.samples(), dataset.dir / "recomputed_logprobs.pt") \
+        if cfg.recompute_behaviour_logprobs else None
+    bar = run.progress_bar(f"optimise stage {stage}", total=plan.mu, initial=start)
+    for samples in batches:
+        if anchors is not None:
+            samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
+        t0 = time.perf_counter()
+        in_stage = state.update + 1 - stage * plan.mu  # after this update
+        run.train_on(samples, stage, bar, in_stage=in_stage, save=checkpoint_due(run, in_stage))
+        if not run.eta_shown:
+            run.show_eta(stage, time.perf_counter() - t0, dataset.manifest.t_rollout_s, t_eval)
+    bar.close()
+    state.stage = stage + 1
+
+
+def checkpoint_due(run, in_stage: int) -> bool:
+    """Staged mode: every --save-interval updates of a stage and at each stage's end (a resume then skips the stage).
+    Colocated mode refreshes every μ (= 4) updates: every --save-interval updates of the run and at its end, not at
+    each refresh (1024 checkpoints in the paper's GRPO baseline)."""
+    plan, interval, update = run.plan, run.cfg.save_interval, run.state.update + 1
+    if plan.rollout_mode == "colocated":
+        return update == plan.total_updates or bool(interval and update % interval == 0)
+    return in_stage == plan.mu or bool(interval and in_stage % interval == 0)

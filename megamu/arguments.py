@@ -6,6 +6,7 @@ With no flags at all the program runs the embedded default: the CPU demo (SmolLM
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 from pathlib import Path
@@ -19,22 +20,28 @@ from megamu.loop.async_ import AsyncConfig
 from megamu.policy import PolicyConfig
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig
+from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, stage_counts
 from megamu.run_dir import RunDir
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
 
+def _default(config, name: str):
+    """A flag's default is its config field's: written once, in the dataclass."""
+    f = config.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
     g.add_argument("--hf-checkpoint", default=None, help="initial policy as an HF folder (default: the demo model)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=_default(RunConfig, "tensor_model_parallel_size"))
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=_default(RolloutConfig, "seed"))
     g.add_argument("--distributed-timeout-minutes", type=float, default=None,
                    help="timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits "
                         "during rank 0's rollout are on the CPU and not bound by it")
@@ -42,36 +49,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recomputation in the backward (less memory, ~1/3 more compute for full)")
 
     g = p.add_argument_group("optimiser (Megatron names)")
-    g.add_argument("--lr", type=float, default=1e-5)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
+    g.add_argument("--lr", type=float, default=_default(OptimizerConfig, "lr"))
+    g.add_argument("--lr-warmup-iters", type=int, default=_default(OptimizerConfig, "lr_warmup_iters"))
+    g.add_argument("--weight-decay", type=float, default=_default(OptimizerConfig, "weight_decay"))
+    g.add_argument("--adam-beta1", type=float, default=_default(OptimizerConfig, "adam_beta1"))
+    g.add_argument("--adam-beta2", type=float, default=_default(OptimizerConfig, "adam_beta2"))
+    g.add_argument("--adam-eps", type=float, default=_default(OptimizerConfig, "adam_eps"))
+    g.add_argument("--clip-grad", type=float, default=_default(OptimizerConfig, "clip_grad"))
+    g.add_argument("--micro-batch-size", type=int, default=_default(PolicyConfig, "micro_batch_size"),
+                   help="samples per micro-batch")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="token budget of a micro-batch")
-    g.add_argument("--max-skipped-steps", type=int, default=5,
+    g.add_argument("--max-skipped-steps", type=int, default=_default(OptimizerConfig, "max_skipped_steps"),
                    help="updates with a non-finite gradient skipped in a row before the run stops")
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from (default: --save)")
-    g.add_argument("--save-interval", type=int, default=0, help="updates between checkpoints (0: stage ends only)")
-    g.add_argument("--hf-export-interval", type=int, default=0,
+    g.add_argument("--save-interval", type=int, default=_default(RunConfig, "save_interval"),
+                   help="updates between checkpoints (0: stage ends only)")
+    g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
                    help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
-    g.add_argument("--keep-checkpoints", type=int, default=2,
+    g.add_argument("--keep-checkpoints", type=int, default=_default(PolicyConfig, "keep_checkpoints"),
                    help="checkpoints kept under --save, newest first (0: all)")
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF exports the engine loads (default: the training precision)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=_default(RunConfig, "log_interval"))
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    g.add_argument("--prompt-key", default="problem")
+    g.add_argument("--prompt-key", default=_default(PromptsConfig, "prompt_key"))
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
-    g.add_argument("--max-prompt-length", type=int, default=1024)
+    g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
     g.add_argument("--skip-bad-rows", action="store_true")
     g.add_argument("--reward-fn", default=None,
                    help="module:function(response, ground_truth) -> float; overrides --reward")
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-stage", type=int, default=None, help="B_train: prompt groups per rollout stage")
     g.add_argument("--prompts-per-update", type=int, default=None, help="B_mini: prompt groups per optimiser update")
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
-    g.add_argument("--n-samples-per-prompt", type=int, default=8, help="G")
+    g.add_argument("--n-samples-per-prompt", type=int, default=_default(RolloutConfig, "n_samples"), help="G")
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
     g.add_argument("--clip-low", type=float, default=None)
     g.add_argument("--clip-high", type=float, default=None)
@@ -94,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m2po-threshold", type=float, default=None)
     g.add_argument("--loss-aggregation", choices=AGGREGATIONS, default=None)
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
-    g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction,
+                   default=_default(PolicyConfig, "skip_zero_advantage"),
                    help="skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute")
 
     g = p.add_argument_group("rollout")
@@ -102,11 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                    help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
                         "the engine generates (default: on in staged mode, off in colocated mode)")
-    g.add_argument("--rollout-temperature", type=float, default=1.0)
-    g.add_argument("--rollout-top-p", type=float, default=1.0)
-    g.add_argument("--rollout-max-response-len", type=int, default=64)
-    g.add_argument("--rollout-groups-per-shard", type=int, default=16, help="prompt groups per durable shard")
-    g.add_argument("--rollout-shards-per-call", type=int, default=1,
+    g.add_argument("--rollout-temperature", type=float, default=_default(RolloutConfig, "temperature"))
+    g.add_argument("--rollout-top-p", type=float, default=_default(RolloutConfig, "top_p"))
+    g.add_argument("--rollout-max-response-len", type=int, default=_default(RolloutConfig, "max_new_tokens"))
+    g.add_argument("--rollout-groups-per-shard", type=int, default=_default(RolloutConfig, "groups_per_shard"),
+                   help="prompt groups per durable shard")
+    g.add_argument("--rollout-shards-per-call", type=int, default=_default(RolloutConfig, "shards_per_call"),
                    help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
     add_engine_arguments(p)
 
@@ -131,14 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's flags, one spelling for the trainer and tools/evaluate.py (read back by ``engine_config``)."""
     g = p.add_argument_group("rollout engine")
-    g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default="local")
-    g.add_argument("--rollout-batch-size", type=int, default=128, help="local engine: sequences decoded together")
+    g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=_default(EngineConfig, "kind"))
+    g.add_argument("--rollout-batch-size", type=int, default=_default(EngineConfig, "max_batch_size"),
+                   help="local engine: sequences decoded together")
     g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
-    g.add_argument("--sglang-num-servers", type=int, default=1)
-    g.add_argument("--sglang-tp-size", type=int, default=1)
+    g.add_argument("--sglang-num-servers", type=int, default=_default(SGLangConfig, "num_servers"))
+    g.add_argument("--sglang-tp-size", type=int, default=_default(SGLangConfig, "tp_size"))
     g.add_argument("--sglang-server-args", default="",
                    help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
     g.add_argument("--sglang-python", default=None,
@@ -153,14 +165,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_reward_arguments(p: argparse.ArgumentParser) -> None:
     """The reward's flags, one spelling for the trainer and tools/evaluate.py (read back by ``reward_config``)."""
     g = p.add_argument_group("reward")
-    g.add_argument("--reward", choices=REWARD_KINDS, default="math",
+    g.add_argument("--reward", choices=REWARD_KINDS, default=_default(RewardConfig, "kind"),
                    help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
                         "against the row's tests in a sandbox")
-    g.add_argument("--code-reward-mode", choices=CODE_MODES, default="all",
+    g.add_argument("--code-reward-mode", choices=CODE_MODES, default=_default(RewardConfig, "code_mode"),
                    help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
     g.add_argument("--code-sandbox-url", default=None,
                    help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
-    g.add_argument("--code-timeout", type=float, default=10.0,
+    g.add_argument("--code-timeout", type=float, default=_default(RewardConfig, "timeout_s"),
                    help="code: wall-clock and CPU seconds of one program execution (one test case)")
 
 
@@ -168,10 +180,10 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
     """The run's reward (``megamu.reward.make_scorer`` builds its pool); code flags without --reward code are an
     error, so a flag that would do nothing is never silently ignored."""
     if args.reward != "code":
-        for flag, value, default in (("--code-reward-mode", args.code_reward_mode, "all"),
-                                     ("--code-sandbox-url", args.code_sandbox_url, None),
-                                     ("--code-timeout", args.code_timeout, 10.0)):
-            if value != default:
+        for flag, value, field in (("--code-reward-mode", args.code_reward_mode, "code_mode"),
+                                   ("--code-sandbox-url", args.code_sandbox_url, "sandbox_url"),
+                                   ("--code-timeout", args.code_timeout, "timeout_s")):
+            if value != _default(RewardConfig, field):
                 _error(flag, "only used with --reward code")
     if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
         _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
@@ -239,86 +251,24 @@ def _config(make, **kwargs):
         _error(FLAG_OF_FIELD.get(e.field, "--" + e.field.replace("_", "-")), e.message)
 
 
-def resolve_batch_sizes(args: argparse.Namespace) -> None:
-    """Derive the missing one of B_train, B_mini, μ (B_train = μ · B_mini); reject inconsistent combinations."""
-    b_train, b_mini, mu = args.prompts_per_stage, args.prompts_per_update, args.mu
-    for flag, v in (("--prompts-per-stage", b_train), ("--prompts-per-update", b_mini), ("--mu", mu)):
-        if v is not None and v <= 0:
-            _error(flag, f"must be a positive integer, got {v}")
-    given = sum(v is not None for v in (b_train, b_mini, mu))
-    if given == 0:  # the CPU demo: 64 prompts per stage, 4 per update
-        b_train, b_mini = 64, 4
-    elif given == 1 and b_mini is None:
-        b_mini = 4 if b_train is None else min(4, b_train)
-    elif given == 1:
-        mu = 16
-    if b_train is None:
-        b_train = mu * b_mini
-    elif b_mini is None:
-        if b_train % mu:
-            _error("--mu", f"--prompts-per-stage {b_train} is not divisible by --mu {mu}")
-        b_mini = b_train // mu
-    if b_train % b_mini:
-        _error("--prompts-per-update", f"--prompts-per-stage {b_train} is not a multiple of {b_mini}")
-    if mu is not None and mu * b_mini != b_train:
-        _error("--mu", f"--mu {mu} contradicts --prompts-per-stage {b_train} / --prompts-per-update {b_mini}")
-    args.prompts_per_stage, args.prompts_per_update, args.mu = b_train, b_mini, b_train // b_mini
-
-
-def resolve_run_length(args: argparse.Namespace) -> None:
-    """Async mode: one "stage" of --train-iters updates. Staged modes: --train-iters = num_stages x μ, if given."""
-    if args.train_iters is not None and args.train_iters <= 0:
-        _error("--train-iters", f"must be a positive integer, got {args.train_iters}")
+def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
+    """The run's shape from the flags: staged modes take any two of B_train, B_mini, μ and the stages (or
+    --train-iters); async mode takes --train-iters, N and K."""
     if args.rollout_mode == "async":
-        for flag, v in (("--num-stages", args.num_stages), ("--prompts-per-stage", args.prompts_per_stage),
-                        ("--mu", args.mu)):
-            if v is not None:
-                _error(flag, "has no meaning with --rollout-mode async (no stages): give --train-iters and "
-                             "--prompts-per-update")
-        if args.train_iters is None:
-            _error("--train-iters", "required with --rollout-mode async (the number of updates)")
-        args.prompts_per_update = args.prompts_per_update or 4
-        args.num_stages, args.mu = 1, args.train_iters
-        args.prompts_per_stage = args.train_iters * args.prompts_per_update
-        return
-    resolve_batch_sizes(args)
-    if args.train_iters is not None:
-        if args.train_iters % args.mu:
-            _error("--train-iters", f"{args.train_iters} is not a multiple of μ = {args.mu}")
-        if args.num_stages not in (None, args.train_iters // args.mu):
-            _error("--train-iters", f"{args.train_iters} contradicts --num-stages {args.num_stages} x μ = {args.mu}")
-        args.num_stages = args.train_iters // args.mu
-    args.num_stages = 2 if args.num_stages is None else args.num_stages
-    if args.num_stages <= 0:
-        _error("--num-stages", f"must be a positive integer, got {args.num_stages}")
-
-
-def check_async(args: argparse.Namespace, device: Device) -> None:
-    """Async flags: K >= N (else the engine's weights, up to N-1 updates old plus one shard, could never be fresh
-    enough and the trainer would drop everything); the queue holds at least one update's groups."""
-    if args.rollout_mode != "async":
-        return
-    for flag in ("max_policy_lag", "weight_sync_interval", "rollout_queue_groups"):
-        v = getattr(args, flag)
-        if v is not None and v <= 0:
-            _error("--" + flag.replace("_", "-"), f"must be a positive integer, got {v}")
-    if args.max_policy_lag < args.weight_sync_interval:
-        _error("--max-policy-lag", f"{args.max_policy_lag} is below --weight-sync-interval "
-                                   f"{args.weight_sync_interval}: between syncs the engine's weights fall that far "
-                                   "behind, so every sample would be dropped")
-    if args.rollout_queue_groups is None:
-        # A group stored when the trainer is at version t is trained by update ≤ t + 1 + (queue + shard) / B_mini, and
-        # the engine's weights are at most N - 1 updates old: this queue keeps the lag ≤ K by back-pressure (drops
-        # remain the guarantee, for what timing slips through).
-        b_mini = args.prompts_per_update
-        fit = (args.max_policy_lag - args.weight_sync_interval) * b_mini - args.rollout_groups_per_shard
-        args.rollout_queue_groups = max(b_mini, fit)
-    if args.rollout_queue_groups < args.prompts_per_update:
-        _error("--rollout-queue-groups", f"must hold one update's {args.prompts_per_update} groups")
-    if args.rollout_devices and not device.is_cuda and not args.dry_run:
-        _error("--rollout-devices", "needs GPUs; on CPU the engine process shares the cores with the trainer")
-    if args.behaviour_logprobs == "recompute":
-        _error("--behaviour-logprobs", "recompute needs a static dataset; async mode uses the engine's log-probs")
+        if args.prompts_per_stage is not None:
+            _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
+                                          "and --prompts-per-update")
+        return _config(Plan, prompts_per_update=args.prompts_per_update or 4,
+                       n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
+                       algorithm=algorithm, rollout_mode=args.rollout_mode, num_stages=args.num_stages, mu=args.mu,
+                       train_iters=args.train_iters, weight_sync_interval=args.weight_sync_interval,
+                       max_policy_lag=args.max_policy_lag)
+    num_stages, b_mini, mu = _config(stage_counts, prompts_per_stage=args.prompts_per_stage,
+                                     prompts_per_update=args.prompts_per_update, mu=args.mu,
+                                     num_stages=args.num_stages, train_iters=args.train_iters)
+    return _config(Plan, prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
+                   max_response_len=args.rollout_max_response_len, algorithm=algorithm,
+                   rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -348,41 +298,21 @@ def check_device(args: argparse.Namespace, device: Device) -> None:
         _error("--transformer-impl", "transformer_engine needs a GPU; use local on CPU")
 
 
-def validate(args: argparse.Namespace) -> None:
-    positive = ["n_samples_per_prompt", "micro_batch_size", "rollout_max_response_len",
-                "tensor_model_parallel_size", "max_prompt_length", "log_interval",
-                "rollout_groups_per_shard", "rollout_shards_per_call"]
-    for name in positive:
-        if getattr(args, name) <= 0:
-            _error("--" + name.replace("_", "-"), f"must be a positive integer, got {getattr(args, name)}")
-    if args.distributed_timeout_minutes is not None and not args.distributed_timeout_minutes > 0:
-        _error("--distributed-timeout-minutes", f"must be > 0, got {args.distributed_timeout_minutes}")
-    for name in ("save_interval", "eval_prompts", "hf_export_interval", "keep_checkpoints", "max_skipped_steps"):
-        if getattr(args, name) < 0:
-            _error("--" + name.replace("_", "-"), "must be >= 0")
-    if not 0 < args.rollout_temperature:
-        _error("--rollout-temperature", f"must be > 0, got {args.rollout_temperature}")
-    if not 0 < args.rollout_top_p <= 1:
-        _error("--rollout-top-p", f"must be in (0, 1], got {args.rollout_top_p}")
-    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
-        _error("--adam-beta1/--adam-beta2", "must be in [0, 1)")
-    if args.n_samples_per_prompt < 2:
-        _error("--n-samples-per-prompt", "GRPO needs at least 2 samples per prompt for group advantages")
+def check_inputs(args: argparse.Namespace, device: Device) -> None:
+    """What no single config can see: the launcher's world size, the reward flags, the input paths and the device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % args.tensor_model_parallel_size:
+    if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
     reward_config(args)  # its errors before any path check
     check_paths(args)
-    resolve_run_length(args)
+    check_device(args, device)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
     """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
     args = build_parser().parse_args(argv)
     device = device or Device.detect()
-    validate(args)
-    check_device(args, device)
-    check_async(args, device)
+    check_inputs(args, device)
     algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
                    veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
                    aggregation=args.loss_aggregation)
@@ -390,10 +320,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
                         lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps)
     save = Path(args.save)
-    plan = _config(Plan, num_stages=args.num_stages, mu=args.mu, prompts_per_stage=args.prompts_per_stage,
-                prompts_per_update=args.prompts_per_update, n_samples_per_prompt=args.n_samples_per_prompt,
-                max_response_len=args.rollout_max_response_len, algorithm=algo.name, rollout_mode=args.rollout_mode,
-                weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
+    plan = plan_of(args, algo.name)
     engine = engine_config(args, sync_backend=device.backend)
     # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
     cpu_split = args.rollout_mode == "async" and not device.is_cuda
@@ -412,15 +339,18 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
         groups_per_shard=args.rollout_groups_per_shard, shards_per_call=args.rollout_shards_per_call,
         reward=reward_config(args))
-    async_ = _config(AsyncConfig, queue_groups=args.rollout_queue_groups, worker_threads=worker_threads,
-                     rollout_devices=args.rollout_devices) if args.rollout_mode == "async" else None
+    async_ = None
+    if plan.is_async:
+        queue = args.rollout_queue_groups or AsyncConfig.default_queue_groups(plan, rollout.groups_per_shard)
+        async_ = _config(AsyncConfig, queue_groups=queue, worker_threads=worker_threads,
+                         rollout_devices=args.rollout_devices)
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = _config(
         PromptsConfig,
-        files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=args.prompts_per_stage,
+        files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=plan.prompts_per_stage,
         held_out=args.eval_prompts, seed=args.seed, data_dir=RunDir(save).data,
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
-        builtin_rows=max(args.num_stages * args.prompts_per_stage, args.eval_prompts) + args.eval_prompts
+        builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows)

@@ -13,7 +13,7 @@ class RolloutSample:
     (log_softmax(logits / T)), the anchor b_t of the paper's ratio ρ_t = exp(log π_θ − b_t) (§4).
     """
 
-    prompt_id: int  # index of the prompt group within its stage
+    prompt_id: int  # the group's index within its stage; in async mode its queue position (unique over the run)
     sample_index: int  # 0..G-1 within the group
     prompt_ids: list[int]
     response_ids: list[int]

@@ -1,11 +1,11 @@
-"""Seeded arithmetic problems: the CPU demo's task (two-digit addition; see notes/demo-model.md)."""
+"""Seeded arithmetic problems: the CPU demo's task (two-digit addition)."""
 
 from __future__ import annotations
 
 import random
 
 # The demo's prompt: the paper's long instruction roughly doubles reply length and lowers SmolLM2's base rate, and
-# one worked example turn takes format compliance from ~0 to ~0.7 (measured in notes/demo-model.md).
+# one worked example turn takes format compliance from ~0 to ~0.7 (measured when the demo model was chosen).
 DEMO_INSTRUCTION = "Give the final answer in \\boxed{}."
 DEMO_FEW_SHOT: list[tuple[str, str]] = [
     ("What is 2 + 3? Give the final answer in \\boxed{}.", "2 + 3 = 5. The final answer is \\boxed{5}."),

@@ -21,7 +21,7 @@ class PromptsConfig:
     ``data_dir/addition.jsonl`` (so the data a run trained on can be inspected later)."""
 
     files: tuple[str, ...]
-    prompts_per_stage: int
+    prompts_per_stage: int | None  # B_train; None in async mode (no stages)
     held_out: int  # prompts kept out of training for the greedy evaluation (at most half the data)
     seed: int
     data_dir: Path

@@ -38,7 +38,7 @@ def _updates_and_time(name: str, updates: list[dict]) -> tuple[int | None, float
     if m:
         before = [r for r in updates if r.get("stage", 0) < int(m.group(1))]
         return (before[-1]["update"] + 1, before[-1].get("time")) if before else (0, 0.0)
-    if name == "final":  # exported by Run.finish after the last update
+    if name == "final":  # exported by the loop after the last update
         return updates[-1]["update"] + 1, updates[-1].get("time")
     m = re.fullmatch(r"iter_(\d+)", name)
     if m:

@@ -62,6 +62,14 @@ class AsyncConfig:
     def __post_init__(self):
         check_positive(self, "queue_groups", "worker_threads")
 
+    @staticmethod
+    def default_queue_groups(plan, groups_per_shard: int) -> int:
+        """What keeps the lag within K by back-pressure: a group stored when the trainer is at version t is trained
+        by update ≤ t + 1 + (queue + shard) / B_mini, and the engine's weights are at most N - 1 updates old (drops
+        remain the guarantee, for what timing slips through)."""
+        b_mini = plan.prompts_per_update
+        return max(b_mini, (plan.max_policy_lag - plan.weight_sync_interval) * b_mini - groups_per_shard)
+
 
 class EngineProcessError(RuntimeError):
     """The engine process died: the message has its exit code and the tail of its log."""
@@ -205,8 +213,9 @@ def train_async(run) -> None:
     for update in range(run.state.update, plan.total_updates):
         samples, fields = engine.next_batch(policy.version, plan.prompts_per_update)  # lag ≤ K; older dropped
         done = update + 1
-        run.train_on(samples, 0, bar, in_stage=done,
-                     save=done == plan.total_updates or bool(interval and done % interval == 0), **fields)
+        last = done == plan.total_updates
+        run.train_on(samples, 0, bar, log=last or done % cfg.log_interval == 0,
+                     save=last or bool(interval and done % interval == 0), **fields)
         if done % plan.weight_sync_interval == 0 and done < plan.total_updates:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)
@@ -218,9 +227,9 @@ def train_async(run) -> None:
 
         evaluator, scorer = build_engine(cfg.engine, final.hf_dir), make_scorer(cfg.rollout.reward)
         try:
-            evaluate_held_out(evaluator, run.prompts.held_out, cfg.rollout.sampling(plan.num_stages,
-                              stop_token_ids(run.tokenizer)), scorer, run.tokenizer, run.metrics,
-                              stage=plan.num_stages, label="final")
+            # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
+            evaluate_held_out(evaluator, run.prompts.held_out, cfg.rollout.sampling(1, stop_token_ids(run.tokenizer)),
+                              scorer, run.tokenizer, run.metrics, stage=1, label="final")
         finally:
             evaluator.shutdown()
             scorer.close()

@@ -44,14 +44,13 @@ class Run:
                                      elapsed_offset=self.state.elapsed)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)
 
-    def train_on(self, samples: list, stage: int, bar, *, in_stage: int, save: bool, **fields) -> None:
-        """One optimiser update, the ``in_stage``-th of its stage (or of an async run); its metrics record (plus
-        ``fields``) every --log-interval updates and at the stage's end; a checkpoint if ``save``; an HF export
-        every --hf-export-interval updates."""
+    def train_on(self, samples: list, stage: int, bar, *, log: bool, save: bool, **fields) -> None:
+        """One optimiser update; its metrics record (plus ``fields``) if ``log``, a checkpoint if ``save`` (the
+        loop's cadence); an HF export every --hf-export-interval updates."""
         cfg = self.cfg
         stats = self.policy.update(samples, cfg.algo)
         self.state.update += 1
-        if in_stage % cfg.log_interval == 0 or in_stage == self.plan.mu:
+        if log:
             self.metrics.log("update", step=self.state.update, stage=stage, update=self.state.update - 1, **stats,
                              **fields)
         bar.update(1)

@@ -178,7 +178,8 @@ def optimise(run, stage: int, dataset: StageDataset, t_eval: float) -> None:
             samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
         t0 = time.perf_counter()
         in_stage = state.update + 1 - stage * plan.mu  # after this update
-        run.train_on(samples, stage, bar, in_stage=in_stage, save=checkpoint_due(run, in_stage))
+        log = in_stage % cfg.log_interval == 0 or in_stage == plan.mu  # every --log-interval and the stage's last
+        run.train_on(samples, stage, bar, log=log, save=checkpoint_due(run, in_stage))
         if not run.eta_shown:
             run.show_eta(stage, time.perf_counter() - t0, dataset.manifest.t_rollout_s, t_eval)
     bar.close()

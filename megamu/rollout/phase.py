@@ -2,7 +2,7 @@
 
 Determinism: shard k always holds the groups of prompts[k*S:(k+1)*S], and each request's seed derives from
 (base seed, stage, prompt_id), so a phase resumed after a crash produces exactly the groups of an uninterrupted run
-(with SGLang, only on servers that honour sampling_seed: see megamu/rollout/sglang.py).
+(with SGLang, only on servers that honour sampling_seed: see megamu/engines/sglang/client.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class OptimizerConfig:
     Weight decay skips biases and 1-D parameters (norms), as Megatron does.
     """
 
-    lr: float  # no default of its own: the flag's default (megamu.arguments) is the one
+    lr: float = 1e-5
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

@@ -1,4 +1,4 @@
-"""A small HTTP server that speaks SGLang's /generate schema (notes/sglang.md), backed by LocalEngine.
+"""A small HTTP server that speaks SGLang 0.5.23's /generate schema, backed by LocalEngine.
 
 Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
 Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an

@@ -48,7 +48,7 @@ def test_gpu_extra_is_pinned_in_dockerfile_and_compatible():
 def test_every_dockerfile_pin_satisfies_setup_py():
     pins, reqs = dockerfile_pins(), setup_requirements()
     assert {"sglang", "sglang-router", "megatron-core", "transformer-engine", "torch"} <= set(pins)
-    assert pins["sglang"] == "0.5.23"  # notes/sglang.md: the weight-update API changes between releases
+    assert pins["sglang"] == "0.5.23"  # the weight-update API changes between releases
     checked = 0
     for group, group_reqs in reqs.items():
         for req in group_reqs:

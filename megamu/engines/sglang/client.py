@@ -1,7 +1,7 @@
-"""SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints (see notes/sglang.md).
+"""SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints.
 
 Only the standard library is used on the client side, so nothing of SGLang is imported by the trainer: servers are
-separate processes (sglang_server.py), started here or given as URLs (servers or an sglang-router).
+separate processes (launch.py), started here or given as URLs (servers or an sglang-router).
 Requests run in a bounded thread pool; each is retried with exponential backoff on connection errors and 5xx
 (on the next server, when there are several), never on a timeout (a retry would redo a long generation) or a 4xx.
 Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
@@ -126,7 +126,7 @@ class SGLangEngine:
         self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)
         self._run_id = uuid.uuid4().hex[:8]
         self._pool = None
-        self._sync = None  # the in-memory weight-sync group, made at the first memory sync (sglang_sync.py)
+        self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         if cfg.urls:

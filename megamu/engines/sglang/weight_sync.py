@@ -1,7 +1,7 @@
 """What a weight sync into SGLang servers checks and sends: the model's tensor layout, in-memory broadcasts, probes.
 
 A server accepts any folder or tensor list it can load, and ``/update_weights_from_disk`` from a folder of another
-architecture returns success and then serves garbage (notes/sglang.md). So every sync is first compared with the
+architecture returns success and then serves garbage (tried on SGLang 0.5.23). So every sync is first compared with the
 layout of the running model (architecture, tensor names, shapes, dtype) and refused, naming the first mismatch.
 
 In-memory syncs use SGLang's own scheme (``/init_weights_update_group``, then per bucket

@@ -46,6 +46,6 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 clean:
 	rm -rf $(VENV) *.egg-info
 
-# Wheels for bench/gpu_check.py on a GPU machine's stock image (Python 3.12, no network there): into .whl/, <= 64 MiB.
+# Wheels for tools/gpu_check.py on a GPU machine's stock image (Python 3.12, no network there): into .whl/, <= 64 MiB.
 gpu-wheels: $(STAMP)
 	PIP="$(PY) -m pip" bash tools/gpu_wheels.sh

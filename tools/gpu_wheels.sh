@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels that bench/gpu_check.py needs beyond the lent GPU machine's stock image (Python 3.12, torch 2.11 + CUDA 13,
+# Wheels that tools/gpu_check.py needs beyond the lent GPU machine's stock image (Python 3.12, torch 2.11 + CUDA 13,
 # transformers 5.17, no network there), downloaded here for Python 3.12 x86-64 into .whl/ (git-ignored), which
 # travels with the tree (at most 64 MiB). transformer-engine and SGLang are too big: the check uses megamu's local
 # spec + torch SDPA and the in-process engine instead.

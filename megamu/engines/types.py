@@ -57,8 +57,8 @@ def check_prompts(requests: list[GenerateRequest], vocab_size: int | None, max_i
     """Refuse empty prompts, ids outside [0, vocab_size) and prompts of ``max_input_len`` tokens or more (SGLang's
     ``max_req_input_len``: it refuses those), all at once.
 
-    An empty prompt or an out-of-vocabulary id kills a real SGLang 0.5.23 server's scheduler (tried on its CPU build), so these
-    must never be sent; checking the whole list first names every bad row before any work is done."""
+    An empty prompt or an out-of-vocabulary id kills a real SGLang 0.5.23 server's scheduler (tried on its CPU
+    build), so these must never be sent; checking the whole list first names every bad row before any work is done."""
     bad = []
     for req in requests:
         ids, why = req.prompt_ids, None

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's CPU side: argument parsing, the wheel list against the pins, the trainer flags it uses, and
+"""tools/gpu_check.py's CPU side: argument parsing, the wheel list against the pins, the trainer flags it uses, and
 its checks on the CPU (--dry-run; the trainer stage is covered by tests/e2e)."""
 
 import json
@@ -11,10 +11,9 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from tests.tools.test_dockerfile import dockerfile_pins, setup_requirements
+from tools import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_check  # noqa: E402
 
 
 def wheel_pins() -> dict[str, str]:
@@ -60,7 +59,7 @@ def test_stage_flags_parse(tmp_path):
 
 def test_dry_run_checks_pass_on_cpu(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--dry-run", "--only", "train",
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", "train",
                            "offload", "checkpoint", "--out", str(out)], capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

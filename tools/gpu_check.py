@@ -1,8 +1,8 @@
 """GPU acceptance check: one command, at most ~8 minutes on one H200, on the lent machine's stock image.
 
     bash tools/gpu_wheels.sh                 # here, once: megatron-core, math-verify, pyarrow wheels into .whl/
-    python bench/gpu_check.py                # there: installs .whl/ offline if needed, runs, prints one table
-    python bench/gpu_check.py --dry-run      # anywhere: the same checks on the CPU with a tiny model (make test)
+    python tools/gpu_check.py                # there: installs .whl/ offline if needed, runs, prints one table
+    python tools/gpu_check.py --dry-run      # anywhere: the same checks on the CPU with a tiny model (make test)
 
 Checks, on a random Qwen2-shaped model (~0.5B: Qwen2.5-0.5B's shape; tiny with --dry-run):
   train     bf16 update at TP=1 with megatron DDP + DistributedOptimizer: tokens/s and MFU (6 N flops per token

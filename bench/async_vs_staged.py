@@ -8,22 +8,18 @@ samples over everything else), mean policy lag (staged: update index within its 
 On a shared CPU the engine process and the trainer compete for the same cores, so async cannot show the paper's
 speed-up here: overlap only pays when rollout and training have devices of their own.
 
-    .venv/bin/python bench/async_vs_staged.py [--updates 16] [--stages 2] [--sync-interval 2] [--model tiny|smollm2]
+    python -m bench.async_vs_staged [--updates 16] [--stages 2] [--sync-interval 2] [--model tiny|smollm2]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.staged_vs_standard import bench_model, trainer_rows  # noqa: E402
+from bench.harness import report
+from bench.staged_vs_standard import bench_model, trainer_rows
 
 
 def final_accuracy(rows: list[dict]) -> float:
@@ -34,7 +30,7 @@ def staged_summary(rows: list[dict], mu: int) -> dict:
     stages = [r for r in rows if r["kind"] == "stage"]
     waiting = sum(s["t_rollout"] + s["t_export"] for s in stages)
     updates = [r for r in rows if r["kind"] == "update"]
-    return {"t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
+    return {"case": "staged", "t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
             "idle_ratio": waiting / max(waiting + sum(s["t_train"] for s in stages), 1e-9),
             "mean_lag": sum(u["update"] % mu for u in updates) / len(updates),
             "dropped_stale": 0, "final_accuracy": final_accuracy(rows)}
@@ -42,7 +38,7 @@ def staged_summary(rows: list[dict], mu: int) -> dict:
 
 def async_summary(rows: list[dict]) -> dict:
     updates = [r for r in rows if r["kind"] == "update"]
-    return {"t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
+    return {"case": "async", "t_total": next(r["t_total"] for r in rows if r["kind"] == "run"),
             "idle_ratio": updates[-1]["idle_ratio"],
             "mean_lag": sum(u["policy_lag_mean"] for u in updates) / len(updates),
             "dropped_stale": updates[-1]["dropped_stale"], "final_accuracy": final_accuracy(rows)}
@@ -61,28 +57,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_model(Path(tmp), a.model, a.hidden)
         b, mu = a.prompts_per_update, a.updates // a.stages
-        t0 = time.perf_counter()
         staged = staged_summary(trainer_rows(model, Path(tmp) / "staged", [
             "--algorithm", "mu-grpo", "--num-stages", str(a.stages), "--prompts-per-stage", str(mu * b),
             "--prompts-per-update", str(b)],
             a.eval_prompts), mu)
-        t1 = time.perf_counter()
         asyn = async_summary(trainer_rows(model, Path(tmp) / "async", [
             "--algorithm", "mu-grpo", "--rollout-mode", "async", "--train-iters", str(a.updates),
             "--prompts-per-update", str(b),
             "--weight-sync-interval", str(a.sync_interval), "--max-policy-lag", str(max(mu, a.sync_interval)),
             "--rollout-groups-per-shard", str(b)],  # one update per engine call
             a.eval_prompts))
-        t2 = time.perf_counter()
-    print(f"model {a.model}, {a.updates} updates x {b} groups x 8 samples; staged: {a.stages} stages of μ = {mu}; "
-          f"async: sync every {a.sync_interval}, K = {max(mu, a.sync_interval)}; {os.cpu_count()} CPUs")
-    print(f"{'':<18}{'staged':>12}{'async':>12}{'async/staged':>14}")
-    for key in ("t_total", "idle_ratio", "mean_lag", "dropped_stale", "final_accuracy"):
-        s, g = staged[key], asyn[key]
-        ratio = f"{g / s:.2f}x" if s else "-"
-        print(f"{key:<18}{s:>12.3f}{g:>12.3f}{ratio:>14}")
-    print(f"{'process wall_s':<18}{t1 - t0:>12.1f}{t2 - t1:>12.1f}{(t2 - t1) / (t1 - t0):>13.2f}x")
-
+    report(f"model {a.model}, {a.updates} updates x {b} groups x 8 samples; staged: {a.stages} stages of μ = {mu}; "
+           f"async: sync every {a.sync_interval}, K = {max(mu, a.sync_interval)}; {os.cpu_count()} CPUs",
+           [staged, asyn], baseline="staged", ratio_of="t_total")
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Code reward throughput: items/s of ``code_score`` on HumanEval's canonical solutions through the reward pool,
 against the same items scored one after another in this process, measured side by side in the same run.
 
-  python bench/code_reward.py [--workers 4] [--limit 164] [--repeats 1]
+  python -m bench.code_reward [--workers 4] [--limit 164] [--repeats 1]
 
 Every item is one sandboxed execution (a fresh interpreter in its own namespaces and cgroup), so the pool's speedup
 is bounded by the cores and by the kernel's per-process setup, not by Python. Ratios > 1: the pool is faster.
@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megamu.reward import RewardConfig, make_scorer  # noqa: E402
-from megamu.reward.code import code_score  # noqa: E402
-from megamu.reward.sandbox import probe_isolation  # noqa: E402
+from megamu.reward import RewardConfig, make_scorer
+from megamu.reward.code import code_score
+from megamu.reward.sandbox import probe_isolation
 
 
 def humaneval_items(limit: int) -> tuple[list[str], list[str]]:

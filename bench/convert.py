@@ -1,6 +1,6 @@
 """Converter throughput and memory, each against a plain safetensors save measured side by side in the same run.
 
-  python bench/convert.py [--hf-dir DIR] [--shard-mb 256]     (default model: SmolLM2-135M-Instruct)
+  python -m bench.convert [--hf-dir DIR] [--shard-mb 256]     (default model: SmolLM2-135M-Instruct)
 
 Every case runs in its own subprocess (best of --repeats): "extra peak" is the peak RSS during the measured step above
 the RSS just before it (which holds the loaded model for export_hf, the model plus the state dict for plain_save).
@@ -17,8 +17,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _status_mb(field: str) -> float:

@@ -6,9 +6,9 @@ SmolLM2-135M-Instruct and two-digit addition unless --hf-checkpoint / --prompt-d
 the base and of the final policy. The default budget is short (a smoke check of a few minutes per preset on 2 cores);
 ask for more with the flags, e.g. the demo's own budget:
 
-    .venv/bin/python bench/learning.py --algorithms mu-grpo grpo --mu 16 --num-stages 2 --prompts-per-update 4 \\
+    python -m bench.learning --algorithms mu-grpo grpo --mu 16 --num-stages 2 --prompts-per-update 4 \\
         --eval-prompts 100
-    .venv/bin/python bench/learning.py --algorithms grpo --mu 1 --num-stages 32 --rollout-mode colocated
+    python -m bench.learning --algorithms grpo --mu 1 --num-stages 32 --rollout-mode colocated
 
 Flags it does not know go to pretrain_mu_grpo.py unchanged (e.g. --lr 2e-5 --adam-beta2 0.99). Greedy accuracy on
 N held-out problems has a binomial standard error of about sqrt(p(1-p)/N): 0.05 at N = 100, so read differences
@@ -18,36 +18,20 @@ below ~0.1 on a single seed as noise.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megamu.algo import ALGORITHM_PRESETS  # noqa: E402
-from megamu.metrics import read_metrics  # noqa: E402
+from bench.harness import run_trainer
+from megamu.algo import ALGORITHM_PRESETS
+from megamu.metrics import read_metrics
 
 
 def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[str], log: Path | None = None) -> dict:
     """Run pretrain_mu_grpo.py for one preset into ``save`` (its stdout and stderr go to ``log`` when given)."""
-    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--algorithm", algorithm, "--save", str(save),
-           "--mu", str(a.mu), "--num-stages", str(a.num_stages), "--prompts-per-update", str(a.prompts_per_update),
-           "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--eval-prompts", str(a.eval_prompts),
-           "--rollout-mode", a.rollout_mode, "--seed", str(a.seed), *extra]
-    t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if log is not None:
-        log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise SystemExit(f"bench/learning.py: {algorithm}: pretrain_mu_grpo.py failed ({done.returncode}); "
-                         f"log tail:\n{(done.stdout + done.stderr)[-3000:]}")
-    return summarize(algorithm, save, a, wall)
+    flags = ["--algorithm", algorithm, "--mu", str(a.mu), "--num-stages", str(a.num_stages), "--prompts-per-update",
+             str(a.prompts_per_update), "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--eval-prompts",
+             str(a.eval_prompts), "--rollout-mode", a.rollout_mode, "--seed", str(a.seed), *extra]
+    return summarize(algorithm, save, a, run_trainer(flags, save, log=log).wall_s)
 
 
 def summarize(algorithm: str, save: Path, a: argparse.Namespace, wall: float) -> dict:

@@ -4,13 +4,11 @@
    - greedy: both produce the same tokens, so the work is identical;
    - sampled at T=1 forced to full length (EOS ignored by both), n=1 and n=8 samples per prompt.
 2. The CPU demo's rollout shard (16 prompts x 8 samples, T=1, natural stop) and its held-out greedy evaluation
-   (100 prompts): samples/s of the engine as issue 16 found it ("before": old ``sample_tokens``, kept below as the
-   reference; every prompt prefilled whole; transformers' concatenating KV cache; batches of 64), then with each lever
-   added in turn, and how many samples stay token-identical (fp32 logits change in the last bits with the batch
-   shape and the prefill split, which can move a sampled token that sits on a CDF boundary).
+   (100 prompts): LocalEngine's samples/s against ``model.generate`` on the same prompts. (The engine's levers, each
+   measured against the engine before it, are in docs/bench.md.)
 3. ``score_batch`` items/s with the worker pool vs ``math_score`` in one process.
 
-    python bench/rollout.py [--model tiny|smollm2] [--prompts 32] [--new-tokens 64] [--threads 2]
+    python -m bench.rollout [--model tiny|smollm2] [--prompts 32] [--new-tokens 64] [--threads 2]
                             [--demo-prompts 16] [--eval-prompts 100] [--skip-generation] [--skip-scoring]
 """
 
@@ -20,21 +18,17 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: no spinning on a shared machine
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems, load_prompts  # noqa: E402
-from megamu.engines import local  # noqa: E402
-from megamu.engines.local import LocalEngine  # noqa: E402
-from megamu.engines.types import GenerateRequest, SamplingParams  # noqa: E402
-from megamu.reward import RewardScorer, math_score  # noqa: E402
+from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems, load_prompts
+from megamu.engines.local import LocalEngine
+from megamu.engines.types import GenerateRequest, SamplingParams
+from megamu.reward import RewardScorer, math_score
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -99,95 +93,28 @@ def bench_generation(hf_dir: str, prompts: list[list[int]], new_tokens: int, rep
               f"ratio {ours[0] / hf[0]:.2f} (per CPU-second: {ours[1] / hf[1]:.2f})")
 
 
-def before_sample_tokens(logits, temperature, top_k, top_p, uniforms):
-    """``megamu.engines.local.sample_tokens`` as it was: every pass over [B, vocab] whether it can matter or not."""
-    logits = logits.float()
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
-    probs = logp.exp()
-    vocab = probs.shape[-1]
-    if bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1.0).any()):
-        probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        drop_k = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-        drop_p = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        probs = probs.masked_fill(drop_k | drop_p, 0.0)
-    else:
-        order = None
-    cdf = probs.cumsum(-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
-    pick = torch.minimum(pick, (cdf < cdf[:, -1:]).sum(-1))
-    tokens = pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _plain_cache(config, spare):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=config)
-
-
-# The engine as issue 16 found it, then each of its levers added in turn (cumulative). Each entry: (sampler, prefix
-# sharing across prompts, in-place KV appends, max batch size). Today's sampler skips the [B, vocab] passes that
-# cannot change a token and keeps top-k with ``topk`` instead of sorting the vocabulary.
-LEVERS = [
-    ("before", before_sample_tokens, False, False, 64),
-    ("+ sampler", local.sample_tokens, False, False, 64),
-    ("+ shared prefix", local.sample_tokens, True, False, 64),
-    ("+ in-place KV", local.sample_tokens, True, True, 64),
-    ("+ batch 128 (now)", local.sample_tokens, True, True, 128),
-]
-
-
-def _run_lever(engine, requests, lever):
-    _, sampler, share, append, batch = lever
-    saved = local.sample_tokens, local.shared_prefix_length, local.append_cache
-    local.sample_tokens = sampler
-    local.shared_prefix_length = saved[1] if share else (lambda prompts: 0)
-    local.append_cache = saved[2] if append else _plain_cache
-    engine.max_batch_size = batch
-    try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = engine.generate(requests)
-        return out, time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        local.sample_tokens, local.shared_prefix_length, local.append_cache = saved
-
-
 def bench_demo_rollout(hf_dir: str, prompts: list[list[int]], eval_prompts: list[list[int]], repeats: int) -> None:
-    """The demo's rollout shard and held-out evaluation, each lever added in turn, interleaved; best of ``repeats``."""
+    """The demo's rollout shard (T=1, 8 samples per prompt) and held-out evaluation (T=1, top_k=1): LocalEngine's
+    samples/s against transformers' ``model.generate`` on the same prompts, interleaved; best of ``repeats``."""
     engine = LocalEngine(hf_dir)
+    model, pad = engine.model, engine.pad_id
     cases = {}
     if prompts:
-        cases[f"rollout shard: {len(prompts)} prompts x 8, T=1"] = [
-            GenerateRequest(i, p, SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0))
-            for i, p in enumerate(prompts)]
-    if eval_prompts:  # as the trainer's held-out evaluation asks for greedy: T=1, top_k=1
-        cases[f"greedy evaluation: {len(eval_prompts)} prompts x 1, T=1, top_k=1"] = [
-            GenerateRequest(i, p, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=64, n=1))
-            for i, p in enumerate(eval_prompts)]
-    for case, requests in cases.items():
-        best, outputs = {}, {}
+        cases[f"rollout shard: {len(prompts)} prompts x 8, T=1"] = (prompts, 8, False)
+    if eval_prompts:
+        cases[f"greedy evaluation: {len(eval_prompts)} prompts x 1"] = (eval_prompts, 1, True)
+    for case, (batch, n, greedy) in cases.items():
+        hf, ours = [0.0, 0.0], [0.0, 0.0]
+        samples = len(batch) * n
         for _ in range(repeats):
-            for lever in LEVERS:
-                out, dt, cpu = _run_lever(engine, requests, lever)
-                old = best.get(lever[0], (0.0, 0.0))
-                best[lever[0]] = (max(old[0], len(out) / dt), max(old[1], len(out) / cpu))
-                outputs[lever[0]] = out
-        ref = outputs["before"]
-        lengths = [len(r.prompt_ids) for r in requests]
-        print(f"\n== demo {case}, natural stop, max 64 new tokens, {torch.get_num_threads()} threads "
-              f"(prompts of {min(lengths)}-{max(lengths)} tokens)")
-        for name, (wall, cpu) in best.items():
-            out = outputs[name]
-            same = [a.output_ids == b.output_ids for a, b in zip(ref, out)]
-            dlp = max((abs(x - y) for a, b, s in zip(ref, out, same) if s
-                       for x, y in zip(a.output_logprobs, b.output_logprobs)), default=0.0)
-            print(f"  {name:18s} {wall:6.2f} samples/s ({wall / best['before'][0]:.2f}x) | {cpu:6.2f} per CPU-s "
-                  f"({cpu / best['before'][1]:.2f}x) | {sum(same)}/{len(same)} samples as before, "
-                  f"max |log-prob diff| {dlp:.1e}")
+            dt, cpu, _ = _hf_generate(model, batch, n=n, new_tokens=64, greedy=greedy, force_full=False, pad_id=pad,
+                                      eos_ids=engine.eos_ids)
+            hf = [max(hf[0], samples / dt), max(hf[1], samples / cpu)]
+            dt, cpu, _ = _engine_generate(engine, batch, n=n, new_tokens=64, greedy=greedy, force_full=False)
+            ours = [max(ours[0], samples / dt), max(ours[1], samples / cpu)]
+        print(f"\n== demo {case}, natural stop, max 64 new tokens, {torch.get_num_threads()} threads")
+        print(f"  model.generate {hf[0]:6.2f} samples/s | LocalEngine {ours[0]:6.2f} samples/s | ratio "
+              f"{ours[0] / hf[0]:.2f} (per CPU-second: {ours[1] / hf[1]:.2f})")
 
 
 def bench_scoring(n_items: int, workers: int) -> None:

@@ -6,7 +6,7 @@ trainer writes (save_pretrained of the state dict, what megamu.convert.export_hf
 memory = /begin_weight_update, bucketed /update_weights_from_distributed over a gloo group, /end_weight_update.
 A last sync each way is checked with a teacher-forced log-prob probe against transformers.
 
-    python bench/sglang_sync.py [--model smollm2|tiny] [--repeats 3] [--bucket-mb 512]
+    python -m bench.sglang_sync [--model smollm2|tiny] [--repeats 3] [--bucket-mb 512]
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megamu.engines.sglang.client import SGLangEngine  # noqa: E402
-from megamu.engines.sglang.weight_sync import LogprobProbe  # noqa: E402
-from megamu.tiny import save_tiny_model  # noqa: E402
-from tests.sglang_real.cpu_server import cpu_config  # noqa: E402
+from megamu.engines.sglang.client import SGLangEngine
+from megamu.engines.sglang.cpu_build import cpu_config
+from megamu.engines.sglang.weight_sync import LogprobProbe
+from megamu.tiny import save_tiny_model
 
 
 def _perturbed(state: dict, k: int) -> dict:

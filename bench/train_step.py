@@ -1,4 +1,4 @@
-"""The μ-GRPO update before and after prompt sharing, and against a bare forward + backward + AdamW step.
+"""The μ-GRPO update with and without prompt sharing, and against a bare forward + backward + AdamW step.
 
 All sides run in one process, interleaved (so load on a shared machine hits them alike), on the same parameters, the
 same AdamW state and the same minibatch (by default the CPU demo's shape: groups of 8 samples of one ~90-token
@@ -7,17 +7,15 @@ prompt with ~25-token replies, 4 groups per update, micro-batches of 8):
 - ``shared``: ``train_step(share_prompts=True)``: each group's prompt forwarded once, output layer at response
   positions only, entropy from the loss's log-softmax (what the local spec trains with now);
 - ``per_sample``: ``train_step`` with one row per sample (the GPU path's layout), same output-layer and entropy code;
-- ``before``: the update as it was: one row per sample, output layer over every position, entropy in a second pass
-  (a reference copy of the old ``response_logprobs``, swapped in);
 - ``bare``: the least a trainer must do: one forward over per-sample rows, a token-mean cross-entropy on the response
   tokens, backward, ``torch.optim.AdamW.step``.
 
 Prints tokens/s of each (every token of the minibatch, prompts included, as the trainer reports), the ratios, and peak
 RSS against 16 bytes/parameter (fp32 weights + grads + two Adam moments).
 
-    python bench/train_step.py [--model smollm2|tiny] [--samples 32] [--group 8] [--prompt-len 90]
+    python -m bench.train_step [--model smollm2|tiny] [--samples 32] [--group 8] [--prompt-len 90]
                                [--response-len 32] [--micro-batch-size 8] [--iters 2] [--threads 2]
-                               [--only shared|per_sample|before|bare]
+                               [--only shared|per_sample|bare]
 """
 
 from __future__ import annotations
@@ -27,61 +25,22 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: no spinning on a shared machine
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megamu import parallel
+from megamu.algo import ALGORITHM_PRESETS, group_advantages
+from megamu.convert.checkpoint import load_hf_into_model
+from megamu.model import ModelArch, build_model, token_logprobs
+from megamu.records import RolloutSample
+from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, pack, train_step
+from megamu.training.batch import split_micro_batches
 
-from megamu import parallel  # noqa: E402
-from megamu.algo import ALGORITHM_PRESETS, group_advantages  # noqa: E402
-from megamu.convert.checkpoint import load_hf_into_model  # noqa: E402
-from megamu.model import ModelArch, build_model, token_logprobs  # noqa: E402
-from megamu.records import RolloutSample  # noqa: E402
-from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, pack, train_step  # noqa: E402
-from megamu.training import step as step_module  # noqa: E402
-from megamu.training.batch import split_micro_batches  # noqa: E402
-
-OLD_ENTROPY_CHUNK_ELEMENTS = 2**23
-
-
-def before_response_logprobs(model, batch, *, temperature=1.0, with_entropy=False):
-    """The old training log-probs: logits at every position of every row, then entropy per row in position chunks,
-    each chunk computing log-probs and entropy again. Kept here as the "before" of this benchmark."""
-    ids = batch.input_ids
-    b, s = ids.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, s)
-    full = model(ids, pos, None)  # [b, s, V/TP]
-    logits = full.reshape(b * s, -1)[batch.score_index]  # the response positions, [n, width, V/TP]
-    logp, _ = token_logprobs(logits, batch.targets, temperature)
-    entropy = None
-    if with_entropy:
-        n, width = batch.targets.shape
-        step = max(1, OLD_ENTROPY_CHUNK_ELEMENTS // logits.shape[-1])
-        with torch.no_grad():
-            entropy = torch.stack([
-                torch.cat([token_logprobs(logits[i : i + 1, j : j + step].detach(),
-                                          batch.targets[i : i + 1, j : j + step], temperature, True)[1][0]
-                           for j in range(0, width, step)])
-                for i in range(n)
-            ])
-    return logp, entropy
-
-
-def run_before(model, opt, samples, algo, micro_batch_size):
-    new = step_module.response_logprobs
-    step_module.response_logprobs = before_response_logprobs
-    try:
-        return train_step(model, opt, samples, algo, micro_batch_size=micro_batch_size)
-    finally:
-        step_module.response_logprobs = new
-
-
-SIDES = ("shared", "per_sample", "before", "bare")
+SIDES = ("shared", "per_sample", "bare")
 
 
 def rss_gib() -> float:
@@ -163,7 +122,6 @@ def main() -> None:
     sides = {
         "shared": lambda: train_step(model, opt, samples, algo, micro_batch_size=mbs, share_prompts=True),
         "per_sample": lambda: train_step(model, opt, samples, algo, micro_batch_size=mbs),
-        "before": lambda: run_before(model, opt, samples, algo, mbs),
         "bare": lambda: bare_step(model, opt.opt, samples, mbs),
     }
     if args.only:
@@ -195,7 +153,7 @@ def main() -> None:
         "peak_rss_over_16_bytes_per_param": rss_gib() * 1024**3 / (16 * n_params),
         "threads": args.threads,
     }
-    for a, b in (("shared", "before"), ("per_sample", "before"), ("shared", "bare"), ("per_sample", "bare")):
+    for a, b in (("shared", "per_sample"), ("shared", "bare"), ("per_sample", "bare")):
         if a in sides and b in sides:  # speed-up of a over b: time of b / time of a
             result[f"ratio_{a}_over_{b}_cpu_best"] = round(best[b] / best[a], 3)
             result[f"ratio_{a}_over_{b}_wall_median"] = round(med[b] / med[a], 3)

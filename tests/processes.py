@@ -32,3 +32,9 @@ def run_owned(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Complet
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Every live process in process group ``pgid`` (a server's scheduler and detokenizer, a sandbox's children)."""
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p, g, s in (line.split()[:3] for line in out.splitlines()) if int(g) == pgid and s[0] != "Z"]

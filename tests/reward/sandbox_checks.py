@@ -28,11 +28,6 @@ def live_pids() -> list[int]:
     return out
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes whose process group is ``pgid``."""
-    return [p for p in live_pids() if (f := _stat_fields(p)) is not None and int(f[2]) == pgid]
-
-
 def _pid_ns(pid: int | str) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")

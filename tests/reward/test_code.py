@@ -9,8 +9,8 @@ from megamu.data.code_task import code_problems, reference_solution
 from megamu.data.code_tests import parse_code_tests
 from megamu.reward import RewardConfig, make_scorer
 from megamu.reward.code import code_score, extract_code, outputs_match
-from tests.processes import pid_alive
-from tests.reward.sandbox_checks import group_members, nothing_left_behind
+from tests.processes import group_members, pid_alive
+from tests.reward.sandbox_checks import nothing_left_behind
 
 # Correct programs finish in milliseconds; the generous limit only keeps a loaded machine from failing them.
 FAST = {"timeout_s": 30.0}

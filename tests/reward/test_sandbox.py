@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from megamu.reward.sandbox import SandboxLimits, probe_isolation, run_python
-from tests.reward.sandbox_checks import group_members, nothing_left_behind
+from tests.processes import group_members
+from tests.reward.sandbox_checks import nothing_left_behind
 
 # Programs that should finish get a generous wall clock (a loaded CI machine starts interpreters slowly); programs
 # that never finish get SHORT, and the tests bound how long their failure takes.

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
+from megamu.engines.sglang.cpu_build import API_KEY, cpu_config
 from megamu.engines.sglang.weight_sync import LogprobProbe, WeightMismatch
 from megamu.engines.types import GenerateRequest, PromptError, SamplingParams
 from megamu.tiny import save_tiny_model
-from tests.processes import pid_alive
-from tests.sglang_real.cpu_server import API_KEY, cpu_config, group_members
+from tests.processes import group_members, pid_alive
 
 ATOL = 1e-4
 PORT = 39400

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_learning_bench_reports_each_presets_greedy_accuracy_before_and_after(tmp_path):
     model = save_tiny_model(tmp_path / "tiny", "llama", seed=3)
     out = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "bench" / "learning.py"), "--algorithms", "grpo", "mu-grpo", "--mu", "2",
+    cmd = [sys.executable, "-m", "bench.learning", "--algorithms", "grpo", "mu-grpo", "--mu", "2",
            "--num-stages", "1", "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--eval-prompts", "4",
            "--out", str(out),
            # passed through to pretrain_mu_grpo.py: the tiny model earns the digit reward, not a math one

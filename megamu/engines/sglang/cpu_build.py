@@ -1,14 +1,16 @@
-"""How megamu launches the CPU build of SGLang (shared/sglang-cpu): another Python, its environment, launch.sh's
-flags. Shared by the real-server tests and the SGLang benches."""
+"""How megamu launches the CPU build of SGLang 0.5.23 (the project's shared/sglang-cpu recipe): another Python, its
+environment, launch.sh's flags. Used by the real-server tests (make test-sglang) and the SGLang benches; on a cluster
+the same fields come from --sglang-python / --sglang-env / --sglang-server-args."""
+
+from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 from megamu.engines.sglang.launch import SGLangConfig
 
-API_KEY = "megamu-real-server-test-key"
+API_KEY = "megamu-cpu-server-key"  # servers on this machine only; a fixed key lets a second client attach
 # launch.sh's flags, minus what megamu passes itself (--model-path, --host, --port, --tp-size, --dtype, --api-key)
 CPU_SERVER_ARGS = (
     "--device cpu --attention-backend torch_native --sampling-backend pytorch --mem-fraction-static 0.2 "
@@ -19,7 +21,8 @@ CPU_SERVER_ARGS = (
 
 def sglang_cpu_paths() -> tuple[Path, Path]:
     venv = Path(os.environ.get("MEGAMU_SGLANG_VENV", Path.home() / ".cache" / "megamu" / "sglang-cpu-venv"))
-    repo = Path(__file__).resolve().parents[2]  # shared/ sits beside the checkout (or beside its worktree folder)
+    """(the build's venv, the recipe folder), from MEGAMU_SGLANG_VENV / MEGAMU_SGLANG_CPU or their defaults."""
+    repo = Path(__file__).resolve().parents[3]  # shared/ sits beside the checkout (or beside its worktree folder)
     places = [repo.parent / "shared" / "sglang-cpu", repo.parents[1] / "shared" / "sglang-cpu"]
     cpu_dir = Path(os.environ.get("MEGAMU_SGLANG_CPU") or next((d for d in places if d.is_dir()), places[0]))
     if not (venv / "bin" / "python").exists() or not (cpu_dir / "stubs").is_dir():
@@ -39,9 +42,3 @@ def cpu_config(port_base: int, log_dir, **overrides) -> SGLangConfig:
               max_concurrency=16, backoff_s=0.2, max_retries=2, shutdown_grace_s=20)
     kw.update(overrides)
     return SGLangConfig(**kw)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Every live process in process group ``pgid`` (a server's scheduler and detokenizer included)."""
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True, check=True).stdout
-    return [int(p) for p, g, s in (line.split()[:3] for line in out.splitlines()) if int(g) == pgid and s[0] != "Z"]

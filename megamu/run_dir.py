@@ -32,8 +32,12 @@ class RunDir:
         object.__setattr__(self, "root", Path(self.root))
 
     # -- weights for engines and evaluation
+    @property
+    def exports(self) -> Path:
+        return self.root / "hf"
+
     def export(self, name: str) -> Path:
-        return self.root / "hf" / name
+        return self.exports / name
 
     def stage_export(self, stage: int) -> Path:
         return self.export(f"stage_{stage}")
@@ -85,7 +89,7 @@ class RunDir:
         return True
 
     def sync_exports(self) -> dict[int, Path]:
-        return {int(d.name.removeprefix("sync_")): d for d in self.export("").glob("sync_*")}
+        return {int(d.name.removeprefix("sync_")): d for d in self.exports.glob("sync_*")}
 
     def prune_sync_exports(self, below: int | None = None, keep: Path | None = None) -> None:
         """Delete async sync folders of versions below ``below`` (the engine process never goes back to them; None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamu.metrics import read_metrics
+from megamu.run_dir import RunDir
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def _updates_and_time(name: str, updates: list[dict]) -> tuple[int | None, float
 def run_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
     """HF folders under ``<run>/hf`` (those with a config.json), ordered by the updates behind them."""
     run = Path(run_dir)
-    hf_root = run / "hf"
+    hf_root = RunDir(run).exports
     if not hf_root.is_dir():
         raise FileNotFoundError(f"{hf_root}: no HF exports in this run (expected {hf_root}/stage_k folders)")
     updates = update_records(read_metrics(run))

@@ -1,6 +1,3 @@
-"""A reward the tiny random models can earn: their char-level outputs contain digits at random, so groups get mixed
-rewards and every algorithm preset sees non-zero advantages (math answers would score 0 for every sample)."""
+"""The tiny models' reward, under the name the tests pass as --reward-fn (megamu/reward/toy.py holds it)."""
 
-
-def has_digit(response: str, ground_truth: str) -> float:
-    return float(any(c.isdigit() for c in response))
+from megamu.reward.toy import has_digit  # noqa: F401

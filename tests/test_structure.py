@@ -1,0 +1,112 @@
+"""The code's shape, checked: who may import whom, no import cycle, and configs that refuse bad values on their own
+(every part can be built without megamu.arguments, by bench and tools code, and still be checked)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from megamu.errors import ConfigError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megamu"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, top_level_only: bool) -> set[str]:
+    """megamu modules ``path`` imports; with ``top_level_only``, only at import time (not inside functions, not
+    under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # "from megamu.x import y" may be a module y
+    return {m for m in found if m.split(".")[0] == "megamu"}
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_engines_and_rollout_never_import_the_trainer():
+    """The loop hands engines and the rollout phase weights and prompts; they never reach for the policy."""
+    trainer = ("megamu.policy", "megamu.training", "megamu.loop", "megamu.arguments", "megamu.run_config")
+    bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.startswith(trainer))
+           for name, path in MODULES.items() if name.startswith(("megamu.engines", "megamu.rollout"))}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_algo_is_pure_torch():
+    outside = {name: sorted(m for m in module_imports(path, top_level_only=False)
+                            if not m.startswith(("megamu.algo", "megamu.errors")))
+               for name, path in MODULES.items() if name.startswith("megamu.algo")}
+    assert {k: v for k, v in outside.items() if v} == {}
+
+
+def test_no_import_cycle():
+    """Lazy imports count too: a cycle through a function-level import still ties the two modules together."""
+    graph = {name: {m for m in module_imports(path, top_level_only=False) if m in MODULES and m != name}
+             for name, path in MODULES.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+def _bad_configs():
+    from megamu.data.stage_prompts import PromptsConfig
+    from megamu.device import CPU
+    from megamu.engines import EngineConfig, SGLangConfig
+    from megamu.loop.async_ import AsyncConfig
+    from megamu.policy import PolicyConfig
+    from megamu.reward.config import RewardConfig
+    from megamu.rollout import RolloutConfig
+    from megamu.run_config import Plan
+    from megamu.training.optimizer import OptimizerConfig
+
+    opt = OptimizerConfig()
+    policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, save_dir=Path("r"), load_dir=Path("r"),
+                  offload_dir=Path("r/offload"))
+    prompts = dict(files=("a.jsonl",), prompts_per_stage=4, held_out=0, seed=0, data_dir=Path("d"))
+    plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
+                rollout_mode="staged", num_stages=2, mu=4)
+    return [
+        (OptimizerConfig, {"lr": 0.0}, "lr"), (OptimizerConfig, {"adam_beta2": 1.0}, "adam_beta2"),
+        (PolicyConfig, {**policy, "micro_batch_size": 0}, "micro_batch_size"),
+        (PolicyConfig, {**policy, "export_dtype": "int8"}, "export_dtype"),
+        (PromptsConfig, {**prompts, "prompts_per_stage": -1}, "prompts_per_stage"),
+        (RolloutConfig, {"n_samples": 1}, "n_samples"), (RolloutConfig, {"top_p": 0.0}, "top_p"),
+        (EngineConfig, {"kind": "vllm"}, "kind"), (EngineConfig, {"max_batch_size": 0}, "max_batch_size"),
+        (SGLangConfig, {"weight_sync": "nfs"}, "weight_sync"), (SGLangConfig, {"tp_size": 0}, "tp_size"),
+        (AsyncConfig, {"queue_groups": 0}, "queue_groups"),
+        (RewardConfig, {"timeout_s": 0.0}, "timeout_s"),
+        (Plan, {**plan, "rollout_mode": "sync"}, "rollout_mode"),
+        (Plan, {**plan, "train_iters": 8}, "train_iters"),  # async-only
+        (Plan, {**plan, "rollout_mode": "async", "num_stages": None, "mu": None, "train_iters": 8,
+                "weight_sync_interval": 4, "max_policy_lag": 2}, "max_policy_lag"),
+    ]
+
+
+@pytest.mark.parametrize("make, kwargs, field", _bad_configs(), ids=lambda x: getattr(x, "__name__", None))
+def test_each_config_refuses_a_bad_value_naming_the_field(make, kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        make(**kwargs)
+    assert e.value.field == field

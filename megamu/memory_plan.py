@@ -13,8 +13,10 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), give
   s*b*h*(34 + 5*a*s/h) bytes per layer for GPT-3's layer (GeLU MLP of 4h, LayerNorm, dropout, attention scores
   materialised). Here flash attention keeps no s x s scores (the 5as/h term goes), there is no dropout mask, the MLP is
-  SwiGLU of width f and the K/V heads are grouped, so the count is redone per tensor instead of rescaled. It was
-  checked tensor by tensor with autograd's saved-tensor hooks on the CPU path (tests/memory_plan).
+  SwiGLU of width f and the K/V heads are grouped, so the count is redone per tensor instead of rescaled: read off
+  autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) on the CPU path, checked against the
+  measured peak of a CPU train_step (tests/memory_plan/test_cpu_peak.py) and, for the GPU path, against
+  ``torch.cuda.max_memory_allocated`` (tests/memory_plan/test_gpu_peak.py, not yet run on a GPU).
 - Logits: what ``megamu.model.logprobs.token_logprobs`` materialises over the vocab-parallel logits of the scored
   positions (train_step asks for the entropy too), see ``_logits_bytes``.
 - SGLang servers (0.5.23, ``profile_max_num_token``): a server started with ``--mem-fraction-static f`` ends up
@@ -198,8 +200,9 @@ def _layer_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     the attention output, saved by flash attention and by the output projection (one storage): q/t; SwiGLU: fc1's
     output 2f/t (silu's saved input is a view of it), silu's output f/t, megatron's ``x_linear + glu_linear_offset``
     f/t, their product (fc2's input) f/t: 5f/t. fp32: the softmax log-sum-exp (heads/t) and the norms' 1/rms (2).
-    megamu's CPU spec ("local") adds what torch's RMSNorm keeps between the scaling and the weight (2h) and its own
-    RoPE's cos and sin per position for q and for k (4 head_dim per position, not per row).
+    Per position (not per row): RoPE's cos and sin, for q and for k (megamu turns megatron's RoPE fusion off, and its
+    CPU core attention applies its own): 4 head_dim. megamu's CPU spec ("local") also keeps what torch's RMSNorm
+    holds between the scaling and the weight: 2h more per token.
     """
     m, t = c.model, c.tp
     b, s = c.micro_batch_size, c.max_seq_len
@@ -211,10 +214,10 @@ def _layer_bytes(c: MemoryPlanConfig) -> dict[str, float]:
         "attention (qkv, roped q/k, output)": (2 * q + kv + q + kv / 2) / t * e * tokens,
         "swiglu": 5 * f / t * e * tokens,
         "fp32 statistics": (m.num_heads / t + 2) * 4 * tokens,
+        "rope cos/sin": 4 * m.head_dim * s * e,
     }
     if c.transformer_impl == "local":
         parts["norm inputs and outputs"] += 2 * h * e * tokens
-        parts["rope cos/sin"] = 4 * m.head_dim * s * e
     return parts
 
 

@@ -70,8 +70,10 @@ def test_activations_and_logits_by_hand():
     c = MemoryPlanConfig(model=m, micro_batch_size=3, max_seq_len=10, max_response_len=4, tp=2, rollout_mode="async")
     rows = {r.part: r.bytes for r in plan_memory(c).rows()}
     tokens = 3 * 10
-    # per token per layer, bf16: 4h + (q + kv + q + kv/2 + q + 5f) / TP; fp32: heads/TP + 2 norm statistics
-    per_layer = (4 * 64 + (64 + 64 + 64 + 32 + 64 + 5 * 96) / 2) * 2 * tokens + (4 / 2 + 2) * 4 * tokens
+    # per token per layer, bf16: 4h + (q + kv + q + kv/2 + q + 5f) / TP; fp32: heads/TP + 2 norm statistics;
+    # per position, bf16: RoPE's cos and sin for q and k, 4 x head_dim
+    per_layer = ((4 * 64 + (64 + 64 + 64 + 32 + 64 + 5 * 96) / 2) * 2 * tokens + (4 / 2 + 2) * 4 * tokens
+                 + 4 * 16 * 10 * 2)
     head = 64 * 2 * tokens + 3 * 4 * 64 * 2  # final norm's input; the output layer's input at the scored positions
     assert rows["activations, no recompute"] == int(2 * per_layer + head)
     full = 2 * 64 * 2 * tokens + per_layer + head  # each layer's input, plus one layer rebuilt in the backward

@@ -8,8 +8,9 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
   ``grad_reduce_in_fp32=True`` and the DistributedOptimizer): the params in their dtype, an fp32 gradient buffer
   (unsharded), and with the DistributedOptimizer fp32 main params (bf16 only) and the two fp32 Adam moments sharded
   over DP. fp32 params are their own main params.
-- Activations: a count of the tensors autograd keeps per layer for megatron-core's GPT layer as megamu configures it
-  (RMSNorm, GQA, SwiGLU, no dropout, no bias fusion, no sequence parallelism, flash attention), see ``_layer_bytes``.
+- Activations: a count of the tensors autograd keeps per layer for megatron-core's GPT layer as megamu configures
+  it (RMSNorm, GQA, SwiGLU, no dropout, no bias fusion, no sequence parallelism, flash attention), see
+  ``layer_activation_bytes``.
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), give
   s*b*h*(34 + 5*a*s/h) bytes per layer for GPT-3's layer (GeLU MLP of 4h, LayerNorm, dropout, attention scores
   materialised). Here flash attention keeps no s x s scores (the 5as/h term goes), there is no dropout mask, the MLP is
@@ -191,7 +192,7 @@ class Row:
         return self.bytes / GIB
 
 
-def _layer_bytes(c: MemoryPlanConfig) -> dict[str, float]:
+def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     """Bytes autograd keeps for one transformer layer at the longest micro-batch, by what keeps them.
 
     Per token, in activation-dtype elements (t = TP; h is replicated over TP without sequence parallelism):
@@ -226,7 +227,7 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
     m = c.model
     e = DTYPE_BYTES[c.params_dtype]
     tokens = c.micro_batch_size * c.max_seq_len
-    layer = _layer_bytes(c)
+    layer = layer_activation_bytes(c)
     per_layer = sum(layer.values())
     if granularity is None:
         body = m.num_layers * per_layer
@@ -234,7 +235,9 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
         # megatron-core recomputes the core attention only; with flash attention it keeps its inputs (q, k, v) and
         # the output projection keeps its output anyway, so only the log-sum-exp is saved
         body = m.num_layers * (per_layer - m.num_heads / c.tp * 4 * tokens)
-    else:  # full, uniform, one layer per checkpoint: each layer keeps its input; backward rebuilds one layer at a time
+    else:  # full, uniform, one layer per checkpoint: each layer keeps its input; backward rebuilds one layer at a time.
+        # The rebuilt layer and the logits' forward peak are never alive together, so adding both over-counts the
+        # step's peak by up to one layer: a bound, on the safe side.
         body = m.num_layers * m.hidden_size * e * tokens + per_layer
     # final norm: its input (torch's RMSNorm also the scaled value); the output layer reads the scored positions only
     final_norm = (2 if c.transformer_impl == "local" else 1) * m.hidden_size * e * tokens
@@ -257,9 +260,10 @@ def _logits_bytes(c: MemoryPlanConfig) -> int:
 class MemoryPlan:
     """Rows of (phase, part, bytes) per GPU; ``table()`` to print, ``check()`` to refuse what cannot fit."""
 
-    def __init__(self, config: MemoryPlanConfig, rows: list[Row]):
+    def __init__(self, config: MemoryPlanConfig, rows: list[Row], no_kv_cache: list[str] | None = None):
         self.config = config
         self._rows = rows
+        self._no_kv_cache = list(no_kv_cache or [])  # servers SGLang would refuse to start
 
     def rows(self) -> list[Row]:
         return list(self._rows)
@@ -287,7 +291,10 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Raise ConfigError (field gpu_memory_gib) naming each phase that does not fit and the line at which its
-        running total, in table order, passes the device size."""
+        running total, in table order, passes the device size; first (field mem_fraction_static) a server whose
+        weights leave it no KV cache."""
+        if self._no_kv_cache:
+            raise ConfigError("mem_fraction_static", "; ".join(self._no_kv_cache))
         device = self.config.gpu_memory_gib * GIB
         problems = []
         for phase in self.phases():
@@ -322,6 +329,8 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     s_split, s_whole = m.param_counts()
     server_weights = int((s_split / c.server_tp + s_whole) * e)
 
+    no_kv: list[str] = []
+
     def servers(phase: str, trainer_at_launch: int | None, released: bool) -> list[Row]:
         """Each server rank on this GPU: it starts when the trainer holds ``trainer_at_launch`` (plus its context;
         None: no trainer on this GPU) and the earlier servers hold theirs, and keeps f x (free at its start)."""
@@ -330,10 +339,11 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
             name = f"server {i}" if c.servers_per_gpu > 1 else "server"
             free = device - held - ctx
             kv = int(c.mem_fraction_static * free) - server_weights
-            if kv <= 0:
-                raise ConfigError("mem_fraction_static", f"phase '{phase}': {name} would have no KV cache: "
-                                  f"{c.mem_fraction_static} x {free / GIB:.1f} GiB free at its start is less than its "
-                                  f"weights, {server_weights / GIB:.1f} GiB")
+            if kv <= 0:  # SGLang refuses to start; shown as 0 in the table, refused by check()
+                no_kv.append(f"phase '{phase}': {name} would have no KV cache: {c.mem_fraction_static} x "
+                             f"{free / GIB:.1f} GiB free at its start is less than its weights, "
+                             f"{server_weights / GIB:.1f} GiB")
+                kv = 0
             out.append(Row(phase, f"{name}: CUDA context", ctx))
             out.append(Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp})", server_weights,
                            not released))
@@ -371,4 +381,4 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
         if not c.offload_train:
             rows += [Row(phase, f"trainer {part}", b) for part, b in state]
     rows += servers(phase, at_launch, False)
-    return MemoryPlan(c, rows)
+    return MemoryPlan(c, rows, no_kv)

@@ -152,8 +152,10 @@ def test_old_colocated_settings_are_refused_in_the_training_phase():
 
 
 def test_kv_cache_must_be_positive():
-    with pytest.raises(ConfigError, match="no KV cache") as err:
-        plan_memory(mu_grpo_7b(gpu_memory_gib=20))
+    plan = plan_memory(mu_grpo_7b(gpu_memory_gib=20))  # 0.85 x (20 - 2 - 2) GiB < 14.2 GiB of weights
+    assert "KV cache" in plan.table()  # the table is still there to read
+    with pytest.raises(ConfigError, match="phase 'rollout \\(staged\\)': server would have no KV cache") as err:
+        plan.check()
     assert err.value.field == "mem_fraction_static"
 
 

@@ -121,7 +121,13 @@ def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 @dataclass(frozen=True)
 class MemoryPlanConfig:
-    """Everything the plan reads. Field names are the parts' own; megamu.arguments maps them to flags."""
+    """Everything the plan reads. Field names are the parts' own; megamu.arguments maps them to flags.
+
+    ``micro_batch_size`` rows of ``max_seq_len`` tokens is the largest micro-batch the model reads, one sample per
+    row (prompt + response), causal. The local spec's shared-prompt rows (``megamu.training.batch``, share_prompts:
+    a group's responses after one prompt, under an explicit attention mask) are not modelled: torch SDPA with a mask
+    may materialise the s x s scores, which this count leaves out.
+    """
 
     model: ModelShape
     micro_batch_size: int

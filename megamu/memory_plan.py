@@ -1,0 +1,390 @@
+"""What each GPU holds in each phase of a run, from the model config and the parallel layout, before anything starts.
+
+Pure arithmetic: no torch, no CUDA, no I/O. ``plan_memory(MemoryPlanConfig(...))`` gives a ``MemoryPlan`` whose
+``table()`` the dry run prints and whose ``check()`` refuses a plan that cannot fit the device.
+
+Where the numbers come from (bytes per GPU; t = TP, d = DP):
+- Trainer state, as megamu's GPU optimiser builds it (``megamu.training.optimizer``: megatron DDP with
+  ``grad_reduce_in_fp32=True`` and the DistributedOptimizer): the params in their dtype, an fp32 gradient buffer
+  (unsharded), and with the DistributedOptimizer fp32 main params (bf16 only) and the two fp32 Adam moments sharded
+  over DP. fp32 params are their own main params.
+- Activations: a count of the tensors autograd keeps per layer for megatron-core's GPT layer as megamu configures
+  it (RMSNorm, GQA, SwiGLU, no dropout, no bias fusion, no sequence parallelism, flash attention), see
+  ``layer_activation_bytes``.
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), give
+  s*b*h*(34 + 5*a*s/h) bytes per layer for GPT-3's layer (GeLU MLP of 4h, LayerNorm, dropout, attention scores
+  materialised). Here flash attention keeps no s x s scores (the 5as/h term goes), there is no dropout mask, the MLP is
+  SwiGLU of width f and the K/V heads are grouped, so the count is redone per tensor instead of rescaled: read off
+  autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) on the CPU path, checked against the
+  measured peak of a CPU train_step (tests/memory_plan/test_cpu_peak.py) and, for the GPU path, against
+  ``torch.cuda.max_memory_allocated`` (tests/memory_plan/test_gpu_peak.py, not yet run on a GPU).
+- Logits: what ``megamu.model.logprobs.token_logprobs`` materialises over the vocab-parallel logits of the scored
+  positions (train_step asks for the entropy too), see ``_logits_bytes``.
+- SGLang servers (0.5.23, ``profile_max_num_token``): a server started with ``--mem-fraction-static f`` ends up
+  holding f x (memory free when it started): its weights plus a KV cache of (free after weights) - free x (1 - f).
+  What other processes hold at launch is excluded from that base. The rest, (1 - f), is its activations and graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from megamu.errors import ConfigError
+
+GIB = 2**30
+# CUDA context + NCCL communicators of one process on one GPU. /work/shared/notes/gpu-path.md ("Memory of the paper's
+# 7B run") puts it at ~2 GiB per trainer rank; SGLang processes are given the same (their NCCL groups, cuBLAS
+# workspaces). Not measured here: the GPU twin is where to refine it.
+CUDA_CONTEXT_GIB = 2.0
+H200_GIB = 141.0  # the issue's default for --gpu-memory-gib (nvidia-smi reports 143771 MiB = 140.4 GiB)
+
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+RECOMPUTE = (None, "selective", "full")
+_RECOMPUTE_LABEL = {None: "no recompute", "selective": "selective recompute", "full": "full recompute"}
+MODES = ("staged", "colocated", "async")
+IMPLS = ("transformer_engine", "local")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _positive(name: str, value, kind=int) -> None:
+    if not isinstance(value, kind) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(name, f"must be a positive {kind.__name__}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dense decoder's shape, as an HF config of the Llama / Qwen2 / Qwen3 family gives it."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v biases
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                     "vocab_size"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping) -> ModelShape:
+        """From an HF config.json's dict. MoE configs are refused: their expert state is not modelled."""
+        for key in _MOE_KEYS:
+            if config.get(key):
+                raise ConfigError("model", f"{key}={config[key]}: mixture-of-experts models are not modelled")
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=config.get("model_type") == "qwen2", qk_norm=config.get("model_type") == "qwen3",
+        )
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:  # K and V together
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def param_counts(self, tp: int = 1, vocab: int | None = None) -> tuple[int, int]:
+        """(parameters split over TP, parameters every TP rank holds whole) of the whole model, for a vocab of
+        ``vocab`` rows (default: the HF vocab; megatron pads it, see ``padded_vocab``). Per rank: split / tp + whole."""
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_width, self.kv_width
+        v = self.vocab_size if vocab is None else vocab
+        layer_split = h * (q + kv) + q * h + 3 * h * f + (q + kv if self.qkv_bias else 0)
+        layer_whole = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        split = self.num_layers * layer_split + v * h * (1 if self.tie_embeddings else 2)
+        return split, self.num_layers * layer_whole + h
+
+    def num_parameters(self) -> int:
+        split, whole = self.param_counts()
+        return split + whole
+
+
+def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: a multiple of 128 x TP (same rule as megamu.model.config.padded_vocab_size)."""
+    return math.ceil(vocab_size / (divisible_by * tp)) * divisible_by * tp
+
+
+@dataclass(frozen=True)
+class MemoryPlanConfig:
+    """Everything the plan reads. Field names are the parts' own; megamu.arguments maps them to flags.
+
+    ``micro_batch_size`` rows of ``max_seq_len`` tokens is the largest micro-batch the model reads, one sample per
+    row (prompt + response), causal. The local spec's shared-prompt rows (``megamu.training.batch``, share_prompts:
+    a group's responses after one prompt, under an explicit attention mask) are not modelled: torch SDPA with a mask
+    may materialise the s x s scores, which this count leaves out.
+    """
+
+    model: ModelShape
+    micro_batch_size: int
+    max_seq_len: int  # the longest row: prompt + response
+    max_response_len: int | None = None  # scored positions per row (train_step scores responses); None: max_seq_len
+    params_dtype: str = "bf16"
+    tp: int = 1
+    dp: int = 1
+    distributed_optimizer: bool = True
+    recompute_granularity: str | None = None
+    transformer_impl: str = "transformer_engine"  # "local": megamu's CPU layer spec (torch norms, torch SDPA)
+    rollout_mode: str = "staged"
+    offload_train: bool = True
+    servers_per_gpu: int = 1  # SGLang server ranks on each rollout GPU
+    server_tp: int = 1
+    mem_fraction_static: float = 0.85
+    release_during_training: bool = False  # colocated servers /release_memory_occupation while the trainer trains
+    gpu_memory_gib: float = H200_GIB
+    cuda_context_gib: float = CUDA_CONTEXT_GIB
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelShape):
+            raise ConfigError("model", f"must be a ModelShape, got {type(self.model).__name__}")
+        for name in ("micro_batch_size", "max_seq_len", "tp", "dp", "servers_per_gpu", "server_tp"):
+            _positive(name, getattr(self, name))
+        if self.max_response_len is not None:
+            _positive("max_response_len", self.max_response_len)
+            if self.max_response_len > self.max_seq_len:
+                raise ConfigError("max_response_len", f"{self.max_response_len} exceeds max_seq_len={self.max_seq_len}")
+        if self.params_dtype not in DTYPE_BYTES:
+            raise ConfigError("params_dtype", f"{self.params_dtype!r}: expected one of {tuple(DTYPE_BYTES)}")
+        if self.recompute_granularity not in RECOMPUTE:
+            raise ConfigError("recompute_granularity", f"{self.recompute_granularity!r}: expected one of {RECOMPUTE}")
+        if self.transformer_impl not in IMPLS:
+            raise ConfigError("transformer_impl", f"{self.transformer_impl!r}: expected one of {IMPLS}")
+        if self.rollout_mode not in MODES:
+            raise ConfigError("rollout_mode", f"{self.rollout_mode!r}: expected one of {MODES}")
+        m = self.model
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):  # megatron splits whole KV groups over TP
+            if getattr(m, name) % self.tp:
+                raise ConfigError("tp", f"{self.tp} does not divide the model's {name}={getattr(m, name)}")
+        if m.num_kv_heads % self.server_tp and self.server_tp % m.num_kv_heads:
+            raise ConfigError("server_tp", f"{self.server_tp} does not split num_kv_heads={m.num_kv_heads}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        for name in ("gpu_memory_gib", "cuda_context_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(name, f"must be a positive number of GiB, got {value!r}")
+        if self.release_during_training and self.rollout_mode != "colocated":
+            raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
+                              f"(rollout_mode={self.rollout_mode!r})")
+
+    @property
+    def scored_len(self) -> int:
+        return self.max_seq_len if self.max_response_len is None else self.max_response_len
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str
+    part: str
+    bytes: int
+    counted: bool = True  # False: shown for comparison (another recompute setting, SGLang's free share), not summed
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
+    """Bytes autograd keeps for one transformer layer at the longest micro-batch, by what keeps them.
+
+    Per token, in activation-dtype elements (t = TP; h is replicated over TP without sequence parallelism):
+    residual input x and the norm's output, for each of the two norms: 4h; the QKV GEMM's output (q + kv)/t (V is a
+    view into it, so the flash attention's saved V keeps all of it); q and k after RoPE (new tensors): (q + kv/2)/t;
+    the attention output, saved by flash attention and by the output projection (one storage): q/t; SwiGLU: fc1's
+    output 2f/t (silu's saved input is a view of it), silu's output f/t, megatron's ``x_linear + glu_linear_offset``
+    f/t, their product (fc2's input) f/t: 5f/t. fp32: the softmax log-sum-exp (heads/t) and the norms' 1/rms (2).
+    Per position (not per row): RoPE's cos and sin, for q and for k (megamu turns megatron's RoPE fusion off, and its
+    CPU core attention applies its own): 4 head_dim. megamu's CPU spec ("local") also keeps what torch's RMSNorm
+    holds between the scaling and the weight: 2h more per token.
+    """
+    m, t = c.model, c.tp
+    b, s = c.micro_batch_size, c.max_seq_len
+    e = DTYPE_BYTES[c.params_dtype]
+    tokens = b * s
+    h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.q_width, m.kv_width
+    parts = {
+        "norm inputs and outputs": 4 * h * e * tokens,
+        "attention (qkv, roped q/k, output)": (2 * q + kv + q + kv / 2) / t * e * tokens,
+        "swiglu": 5 * f / t * e * tokens,
+        "fp32 statistics": (m.num_heads / t + 2) * 4 * tokens,
+        "rope cos/sin": 4 * m.head_dim * s * e,
+    }
+    if c.transformer_impl == "local":
+        parts["norm inputs and outputs"] += 2 * h * e * tokens
+    return parts
+
+
+def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
+    """All layers' saved activations plus the final norm and the output layer's input, at the longest micro-batch."""
+    m = c.model
+    e = DTYPE_BYTES[c.params_dtype]
+    tokens = c.micro_batch_size * c.max_seq_len
+    layer = layer_activation_bytes(c)
+    per_layer = sum(layer.values())
+    if granularity is None:
+        body = m.num_layers * per_layer
+    elif granularity == "selective":
+        # megatron-core recomputes the core attention only; with flash attention it keeps its inputs (q, k, v) and
+        # the output projection keeps its output anyway, so only the log-sum-exp is saved
+        body = m.num_layers * (per_layer - m.num_heads / c.tp * 4 * tokens)
+    else:  # full, uniform, one layer per checkpoint: each layer keeps its input; backward rebuilds one layer at a time.
+        # The rebuilt layer and the logits' forward peak are never alive together, so adding both over-counts the
+        # step's peak by up to one layer: a bound, on the safe side.
+        body = m.num_layers * m.hidden_size * e * tokens + per_layer
+    # final norm: its input (torch's RMSNorm also the scaled value); the output layer reads the scored positions only
+    final_norm = (2 if c.transformer_impl == "local" else 1) * m.hidden_size * e * tokens
+    head_input = c.micro_batch_size * c.scored_len * m.hidden_size * e
+    return int(body + final_norm + head_input)
+
+
+# token_logprobs(with_entropy=True), the fp32 tensors the size of the scored logits [b, r, V/t] alive at once when it
+# forms p * shifted: the logits (fp32: Float16Module casts its output), z = logits / T, shifted = z - m (kept: gather's
+# backward saves it), exp(shifted), p = exp / S, shifted with -inf set to 0, and the product p * shifted; plus the
+# bool mask isneginf(shifted). 7 x 4 + 1 bytes per logit. The backward needs less (the entropy's graph is dropped).
+LOGIT_BYTES = 7 * 4 + 1
+
+
+def _logits_bytes(c: MemoryPlanConfig) -> int:
+    vocab_local = padded_vocab(c.model.vocab_size, c.tp) // c.tp
+    return LOGIT_BYTES * c.micro_batch_size * c.scored_len * vocab_local
+
+
+class MemoryPlan:
+    """Rows of (phase, part, bytes) per GPU; ``table()`` to print, ``check()`` to refuse what cannot fit."""
+
+    def __init__(self, config: MemoryPlanConfig, rows: list[Row], no_kv_cache: list[str] | None = None):
+        self.config = config
+        self._rows = rows
+        self._no_kv_cache = list(no_kv_cache or [])  # servers SGLang would refuse to start
+
+    def rows(self) -> list[Row]:
+        return list(self._rows)
+
+    def phases(self) -> list[str]:
+        return list(dict.fromkeys(r.phase for r in self._rows))
+
+    def total(self, phase: str) -> int:
+        return sum(r.bytes for r in self._rows if r.phase == phase and r.counted)
+
+    def table(self) -> str:
+        device = self.config.gpu_memory_gib
+        width = max(len(r.part) for r in self._rows) + 4
+        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB)"]
+        for phase in self.phases():
+            lines.append(phase)
+            for r in self._rows:
+                if r.phase == phase:
+                    label = f"  {r.part}" if r.counted else f"  ({r.part}: not counted)"
+                    lines.append(f"{label:<{width + 16}}{r.gib:8.2f}")
+            total = self.total(phase) / GIB
+            verdict = "fits" if total <= device else f"OVER by {total - device:.2f}"
+            lines.append(f"{'  total':<{width + 16}}{total:8.2f}  / {device:.1f}  {verdict}")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise ConfigError (field gpu_memory_gib) naming each phase that does not fit and the line at which its
+        running total, in table order, passes the device size; first (field mem_fraction_static) a server whose
+        weights leave it no KV cache."""
+        if self._no_kv_cache:
+            raise ConfigError("mem_fraction_static", "; ".join(self._no_kv_cache))
+        device = self.config.gpu_memory_gib * GIB
+        problems = []
+        for phase in self.phases():
+            running = 0
+            for r in self._rows:
+                if r.phase != phase or not r.counted:
+                    continue
+                running += r.bytes
+                if running > device:
+                    problems.append(f"phase '{phase}' needs {self.total(phase) / GIB:.1f} GiB of "
+                                    f"{self.config.gpu_memory_gib:.1f} GiB: it overflows at '{r.part}' "
+                                    f"({r.gib:.1f} GiB, {running / GIB:.1f} GiB so far)")
+                    break
+        if problems:
+            raise ConfigError("gpu_memory_gib", "the memory plan does not fit the device: " + "; ".join(problems))
+
+
+def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
+    """The per-GPU table for ``c``: training, then the rollout phase of its mode."""
+    m, e = c.model, DTYPE_BYTES[c.params_dtype]
+    ctx = int(c.cuda_context_gib * GIB)
+    device = int(c.gpu_memory_gib * GIB)
+    split, whole = m.param_counts(c.tp, padded_vocab(m.vocab_size, c.tp))
+    n_local = split // c.tp + whole  # parameters on one trainer rank
+    shard = c.dp if c.distributed_optimizer else 1
+    params, grads = n_local * e, n_local * 4
+    main = n_local * 4 // shard if c.params_dtype != "fp32" else 0
+    moments = n_local * 8 // shard
+    state = [("params (" + c.params_dtype + ")", params), ("fp32 main params", main), ("fp32 grad buffer", grads),
+             ("Adam moments (fp32 x2)", moments)]
+
+    s_split, s_whole = m.param_counts()
+    server_weights = int((s_split / c.server_tp + s_whole) * e)
+
+    no_kv: list[str] = []
+
+    def servers(phase: str, trainer_at_launch: int | None, released: bool) -> list[Row]:
+        """Each server rank on this GPU: it starts when the trainer holds ``trainer_at_launch`` (plus its context;
+        None: no trainer on this GPU) and the earlier servers hold theirs, and keeps f x (free at its start)."""
+        out, held = [], 0 if trainer_at_launch is None else ctx + trainer_at_launch
+        for i in range(c.servers_per_gpu):
+            name = f"server {i}" if c.servers_per_gpu > 1 else "server"
+            free = device - held - ctx
+            kv = int(c.mem_fraction_static * free) - server_weights
+            if kv <= 0:  # SGLang refuses to start; shown as 0 in the table, refused by check()
+                no_kv.append(f"phase '{phase}': {name} would have no KV cache: {c.mem_fraction_static} x "
+                             f"{free / GIB:.1f} GiB free at its start is less than its weights, "
+                             f"{server_weights / GIB:.1f} GiB")
+                kv = 0
+            out.append(Row(phase, f"{name}: CUDA context", ctx))
+            out.append(Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp})", server_weights,
+                           not released))
+            out.append(Row(phase, f"{name}: KV cache at mem_fraction_static {c.mem_fraction_static}", kv,
+                           not released))
+            out.append(Row(phase, f"{name}: left for its activations and graphs (1 - f)",
+                           int((1 - c.mem_fraction_static) * free), False))
+            held += ctx + server_weights + kv
+        return out
+
+    resident = sum(b for _, b in state)
+    rows = [Row("training", "CUDA context + NCCL (trainer)", ctx)]
+    if c.rollout_mode == "colocated":
+        # servers start once, before the first update: the trainer then holds params, grads and main params (Adam
+        # moments come with the first step) unless offloaded; later rollouts see the moments as well. They are
+        # listed before the trainer's state: they are there when training starts, and the overflow is the trainer's.
+        at_launch = 0 if c.offload_train else params + grads + main
+        rows += servers("training", at_launch, c.release_during_training)
+        phase = "rollout (colocated)"
+    elif c.rollout_mode == "staged":
+        at_launch = 0 if c.offload_train else resident  # servers restart every stage; later stages have moments
+        phase = "rollout (staged)"
+    else:
+        at_launch = None  # the servers' own GPUs
+        phase = "rollout (async, server GPUs)"
+    rows += [Row("training", part, b) for part, b in state]
+    rows.append(Row("training", f"activations, {_RECOMPUTE_LABEL[c.recompute_granularity]}",
+                    _activation_bytes(c, c.recompute_granularity)))
+    rows += [Row("training", f"activations, {_RECOMPUTE_LABEL[g]}", _activation_bytes(c, g), False)
+             for g in RECOMPUTE if g != c.recompute_granularity]
+    rows.append(Row("training", "logits and log-softmax temporaries (fp32)", _logits_bytes(c)))
+
+    if c.rollout_mode != "async":
+        rows.append(Row(phase, "CUDA context + NCCL (trainer)", ctx))
+        if not c.offload_train:
+            rows += [Row(phase, f"trainer {part}", b) for part, b in state]
+    rows += servers(phase, at_launch, False)
+    return MemoryPlan(c, rows, no_kv)

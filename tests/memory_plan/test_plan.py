@@ -1,0 +1,176 @@
+"""The memory plan's arithmetic against hand-computed values, transformers' parameter counts and the 7B runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megamu.errors import ConfigError
+from megamu.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
+
+# Qwen2.5-Math-7B's config.json (public facts, huggingface.co/Qwen/Qwen2.5-Math-7B)
+QWEN25_MATH_7B = {
+    "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
+}
+# examples/qwen2.5-math-7b/model.sh + examples/common.sh: TP 2 on 4 GPUs (DP 2), micro-batch 4, context 4096 of which
+# the prompt is at most 1024, one SGLang server per GPU at TP 1 with --mem-fraction-static 0.85.
+EXAMPLE = dict(micro_batch_size=4, max_seq_len=4096, max_response_len=4096 - 1024, params_dtype="bf16", tp=2, dp=2,
+               servers_per_gpu=1, server_tp=1, mem_fraction_static=0.85)
+
+
+def tiny_qwen2() -> ModelShape:
+    return ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=96,
+                      vocab_size=100, qkv_bias=True)
+
+
+def test_parameter_count_by_hand():
+    # per layer: q 64x64 + 64 bias; k and v 64x32 + 32 bias each; o 64x64; gate, up, down 3 x 64x96; two norms of 64
+    layer = (4096 + 64) + 2 * (2048 + 32) + 4096 + 3 * 6144 + 2 * 64
+    assert layer == 30976
+    # embedding and untied output layer 100x64 each, final norm 64
+    assert tiny_qwen2().num_parameters() == 2 * layer + 2 * 6400 + 64 == 74816
+    # TP 2: everything but the norms is split; the padded vocab (megatron: a multiple of 128 x TP) is 256
+    split, whole = tiny_qwen2().param_counts(tp=2, vocab=256)
+    assert whole == 2 * 128 + 64
+    assert split == 2 * (layer - 128) + 2 * 256 * 64
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_parameter_count_matches_transformers(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from megamu.tiny import save_tiny_model
+
+    out = save_tiny_model(tmp_path / family, family)
+    config = json.loads((out / "config.json").read_text())
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert ModelShape.from_hf_config(config).num_parameters() == hf.num_parameters()
+
+
+def test_trainer_state_by_hand():
+    m = tiny_qwen2()
+    c = MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, tp=2, dp=4, rollout_mode="async")
+    rows = {r.part: r.bytes for r in plan_memory(c).rows() if r.phase == "training"}
+    n = (2 * (30976 - 128) + 2 * 256 * 64) // 2 + (2 * 128 + 64)  # one TP rank's parameters
+    assert rows["params (bf16)"] == 2 * n
+    assert rows["fp32 grad buffer"] == 4 * n  # grad_reduce_in_fp32, not sharded
+    assert rows["fp32 main params"] == 4 * n // 4  # DistributedOptimizer: sharded over DP 4
+    assert rows["Adam moments (fp32 x2)"] == 8 * n // 4
+    plain = {r.part: r.bytes for r in plan_memory(
+        MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, tp=2, dp=4, distributed_optimizer=False,
+                         params_dtype="fp32", rollout_mode="async")).rows()}
+    assert plain["params (fp32)"] == 4 * n and plain["fp32 main params"] == 0  # fp32 params are their own masters
+    assert plain["Adam moments (fp32 x2)"] == 8 * n
+
+
+def test_activations_and_logits_by_hand():
+    m = tiny_qwen2()  # h 64, q 64, kv 2 x 2 x 16 = 64, f 96, heads 4, 2 layers, vocab 100 -> 256 at TP 2
+    c = MemoryPlanConfig(model=m, micro_batch_size=3, max_seq_len=10, max_response_len=4, tp=2, rollout_mode="async")
+    rows = {r.part: r.bytes for r in plan_memory(c).rows()}
+    tokens = 3 * 10
+    # per token per layer, bf16: 4h + (q + kv + q + kv/2 + q + 5f) / TP; fp32: heads/TP + 2 norm statistics;
+    # per position, bf16: RoPE's cos and sin for q and k, 4 x head_dim
+    per_layer = ((4 * 64 + (64 + 64 + 64 + 32 + 64 + 5 * 96) / 2) * 2 * tokens + (4 / 2 + 2) * 4 * tokens
+                 + 4 * 16 * 10 * 2)
+    head = 64 * 2 * tokens + 3 * 4 * 64 * 2  # final norm's input; the output layer's input at the scored positions
+    assert rows["activations, no recompute"] == int(2 * per_layer + head)
+    full = 2 * 64 * 2 * tokens + per_layer + head  # each layer's input, plus one layer rebuilt in the backward
+    assert rows["activations, full recompute"] == int(full)
+    # 7 fp32 tensors and one bool mask over [3 rows, 4 scored positions, 256 / 2 vocab entries]
+    assert rows["logits and log-softmax temporaries (fp32)"] == (7 * 4 + 1) * 3 * 4 * 128
+
+
+def test_server_kv_cache_by_hand():
+    # device 20 GiB, contexts 1 GiB, trainer offloaded (context only): the server starts with 20 - 1 - 1 = 18 GiB free
+    m = tiny_qwen2()
+    c = MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, gpu_memory_gib=20, cuda_context_gib=1,
+                         mem_fraction_static=0.5, rollout_mode="staged", offload_train=True)
+    rows = {r.part: r.bytes for r in plan_memory(c).rows() if r.phase == "rollout (staged)"}
+    weights = 74816 * 2
+    assert rows["server: weights (bf16, TP 1)"] == weights
+    assert rows["server: KV cache at mem_fraction_static 0.5"] == int(0.5 * 18 * GIB) - weights
+    assert plan_memory(c).total("rollout (staged)") == 1 * GIB + 1 * GIB + int(0.5 * 18 * GIB)
+
+
+def test_table_lists_every_part_and_a_total_per_phase():
+    plan = plan_memory(MemoryPlanConfig(model=ModelShape.from_hf_config(QWEN25_MATH_7B), rollout_mode="staged",
+                                        offload_train=True, **EXAMPLE))
+    table = plan.table()
+    for r in plan.rows():
+        assert r.part in table
+    assert table.count("  total") == len(plan.phases()) == 2
+    assert f"{plan.total('training') / GIB:8.2f}" in table
+
+
+def mu_grpo_7b(**overrides) -> MemoryPlanConfig:
+    # run_mu_grpo.sh: --rollout-mode staged; --offload-train defaults to on in staged mode (megamu.arguments)
+    kw = dict(EXAMPLE, rollout_mode="staged", offload_train=True) | overrides
+    return MemoryPlanConfig(model=ModelShape.from_hf_config(QWEN25_MATH_7B), **kw)
+
+
+def grpo_7b(**overrides) -> MemoryPlanConfig:
+    # run_grpo.sh: --rollout-mode colocated; the fixed protocol offloads the trainer and releases the servers
+    kw = dict(EXAMPLE, rollout_mode="colocated", offload_train=True, release_during_training=True) | overrides
+    return MemoryPlanConfig(model=ModelShape.from_hf_config(QWEN25_MATH_7B), **kw)
+
+
+def test_paper_examples_fit_an_h200_in_every_phase():
+    for config, phases in ((mu_grpo_7b(), ["training", "rollout (staged)"]),
+                           (grpo_7b(), ["training", "rollout (colocated)"])):
+        plan = plan_memory(config)
+        assert plan.phases() == phases
+        plan.check()
+        for phase in phases:
+            assert plan.total(phase) <= 141 * GIB
+
+
+def test_paper_7b_trainer_state_matches_the_notes():
+    # /work/shared/notes/gpu-path.md, from the 7.62B parameters at TP2 x DP2: bf16 params 7.1 GiB, fp32 grad buffer
+    # 14.2, fp32 main params 7.1, Adam moments 14.2 (GiB per GPU)
+    assert ModelShape.from_hf_config(QWEN25_MATH_7B).num_parameters() == pytest.approx(7.62e9, rel=1e-3)
+    rows = {r.part: r.bytes / GIB for r in plan_memory(mu_grpo_7b()).rows() if r.phase == "training"}
+    assert rows["params (bf16)"] == pytest.approx(7.1, abs=0.05)
+    assert rows["fp32 grad buffer"] == pytest.approx(14.2, abs=0.05)
+    assert rows["fp32 main params"] == pytest.approx(7.1, abs=0.05)
+    assert rows["Adam moments (fp32 x2)"] == pytest.approx(14.2, abs=0.05)
+
+
+def test_old_colocated_settings_are_refused_in_the_training_phase():
+    old = grpo_7b(offload_train=False, release_during_training=False)  # 0.85, servers resident through training
+    plan = plan_memory(old)
+    # issue 24: "Each H200 keeps about 92 GiB for SGLang" (started next to a trainer holding ~31 GiB)
+    server = sum(r.bytes for r in plan.rows() if r.phase == "training" and r.part.startswith("server:") and r.counted)
+    assert (server - 2 * GIB) / GIB == pytest.approx(92, abs=1.5)
+    with pytest.raises(ConfigError) as err:
+        plan.check()
+    assert err.value.field == "gpu_memory_gib"
+    assert "phase 'training'" in str(err.value)
+    assert "overflows at 'activations, no recompute'" in str(err.value)
+    assert "rollout (colocated)" not in str(err.value)  # its rollout phase still fits (138.9 GiB)
+
+
+def test_kv_cache_must_be_positive():
+    plan = plan_memory(mu_grpo_7b(gpu_memory_gib=20))  # 0.85 x (20 - 2 - 2) GiB < 14.2 GiB of weights
+    assert "KV cache" in plan.table()  # the table is still there to read
+    with pytest.raises(ConfigError, match="phase 'rollout \\(staged\\)': server would have no KV cache") as err:
+        plan.check()
+    assert err.value.field == "mem_fraction_static"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tp", 3), ("micro_batch_size", 0), ("params_dtype", "fp16"), ("recompute_granularity", "some"),
+    ("rollout_mode", "sync"), ("mem_fraction_static", 1.0), ("gpu_memory_gib", -1), ("max_response_len", 5000),
+    ("release_during_training", True),  # staged: no servers share the trainer's GPUs
+])
+def test_bad_values_name_their_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        mu_grpo_7b(**{field: value})
+    assert err.value.field == field
+
+
+def test_moe_configs_are_refused():
+    with pytest.raises(ConfigError) as err:
+        ModelShape.from_hf_config(dict(QWEN25_MATH_7B, num_experts=64))
+    assert err.value.field == "model"

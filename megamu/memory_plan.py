@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from megamu.errors import ConfigError
 
 GIB = 2**30
-# CUDA context + NCCL communicators of one process on one GPU. /work/shared/notes/gpu-path.md ("Memory of the paper's
+# CUDA context + NCCL communicators of one process on one GPU. the project's GPU-path notes ("Memory of the paper's
 # 7B run") puts it at ~2 GiB per trainer rank; SGLang processes are given the same (their NCCL groups, cuBLAS
 # workspaces). Not measured here: the GPU twin is where to refine it.
 CUDA_CONTEXT_GIB = 2.0

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from megamu.engines import make_engine
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine, SGLangError, _stop_processes, parse_sample
+from megamu.engines.sglang.launch import group_alive
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
@@ -125,6 +126,30 @@ child = subprocess.Popen([sys.executable, "-c", ignore])
 print(child.pid, flush=True)
 time.sleep(600)
 """
+
+
+LINGERING_CHILD = """
+import signal, subprocess, sys, time
+slow = ("import signal, sys, time, pathlib\\n"
+        "def bye(*_):\\n    time.sleep(1.0); pathlib.Path(sys.argv[1]).write_text('released'); sys.exit(0)\\n"
+        "signal.signal(signal.SIGTERM, bye)\\nprint('ready', flush=True)\\ntime.sleep(600)")
+child = subprocess.Popen([sys.executable, "-c", slow, sys.argv[1]], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()  # its handler is installed
+print(child.pid, flush=True)
+time.sleep(600)  # the leader itself dies at once on SIGTERM, as SGLang's launcher does after signalling its children
+"""
+
+
+def test_shutdown_waits_for_children_that_outlive_the_leader(tmp_path):
+    """SGLang's launcher exits without waiting for its scheduler: the stop must wait for the whole group, so the
+    child's clean exit (which frees its device memory) happens before the stage reloads the trainer."""
+    marker = tmp_path / "released"
+    proc = subprocess.Popen([sys.executable, "-c", LINGERING_CHILD, str(marker)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    child = int(proc.stdout.readline())
+    _stop_processes([proc], grace_s=30)
+    assert marker.read_text() == "released"  # not SIGKILLed as soon as the leader was gone
+    assert not pid_alive(child) and not group_alive(proc.pid)
 
 
 def test_shutdown_kills_the_server_process_group():

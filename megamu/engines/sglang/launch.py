@@ -102,25 +102,50 @@ def log_tail(path: Path | None, n: int = 40) -> str:
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM each server's process group (scheduler and detokenizer children included), then SIGKILL."""
+    """SIGTERM each server's process group, wait up to ``grace_s`` for every member to exit, SIGKILL what is left, and
+    return only when no member is alive.
+
+    Waiting for the leader alone is not enough: SGLang's launcher kills its scheduler and detokenizer children without
+    waiting for them, so a stage could reload the trainer's 30-44 GiB while a child still holds its CUDA context. A
+    process's device memory is freed when it exits, so an empty group is a free GPU."""
+    groups = [p.pid for p in procs]
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            _signal_group(p.pid, signal.SIGTERM)
     end = time.monotonic() + grace_s
+    while any(group_alive(g) for g in groups) and time.monotonic() < end:
+        for p in procs:
+            p.poll()  # reap our own children (the leaders), so they do not linger as zombies
+        time.sleep(0.05)
+    for g in groups:
+        _signal_group(g, signal.SIGKILL)
     for p in procs:
-        try:
-            p.wait(max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # children may outlive the leader: kill the whole group by its id
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         p.wait()
+    while any(group_alive(g) for g in groups):  # SIGKILL is delivered asynchronously
+        time.sleep(0.01)
     procs.clear()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any live (not zombie) process is in process group ``pgid``."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def server_env(cfg: SGLangConfig, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
@@ -71,11 +72,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def checkpoint_dtype(hf_dir: Path) -> str:
+    """The engine precision an HF export asks for: bfloat16 for a bf16 export, else float32 (config.json's "dtype",
+    or "torch_dtype" of older writers)."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    return "bfloat16" if (config.get("dtype") or config.get("torch_dtype")) == "bfloat16" else "float32"
+
+
 def engine_factory(args: argparse.Namespace):
-    """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights."""
+    """hf_dir -> Engine; the engine is built once and later checkpoints are swapped in with update_weights. Without
+    --rollout-dtype it computes in the precision of the first checkpoint it serves (a run's exports share theirs; a
+    server started in float32 would refuse a bf16 checkpoint's weights)."""
     from megamu.engines import build_engine
 
     cfg = engine_config(args)
+    if args.rollout_dtype is None:
+        return lambda hf_dir: build_engine(replace(cfg, dtype=checkpoint_dtype(hf_dir)), hf_dir)
     return lambda hf_dir: build_engine(cfg, hf_dir)
 
 

@@ -6,11 +6,14 @@ agree to a few float32 ulps of values of size ~10 (~1e-5); 1e-4 leaves room for 
 """
 
 import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
 from megamu.engines.sglang.cpu_build import API_KEY, cpu_config
@@ -246,3 +249,33 @@ def test_colocated_grpo_run_syncs_in_memory(served, tmp_path):
     # stage 0's export (the server's first load) is pruned once D_0 is durable; a refresh writes none
     assert not (save / "hf" / "stage_0").exists() and not (save / "hf" / "stage_1").exists()
     assert (save / "hf" / "final" / "config.json").exists()
+
+
+def test_evaluate_tool_serves_bf16_exports_in_bfloat16(served, tmp_path):
+    """tools/evaluate.py with servers it launches, on two bf16 exports: the servers start in the checkpoints' dtype
+    (not float32, which would refuse the second export's bf16 tensors at its layout check)."""
+    import sys
+
+    from megamu.engines.sglang.cpu_build import CPU_SERVER_ARGS, sglang_cpu_paths
+
+    run = tmp_path / "run"
+    for stage, seed in ((0, 1), (1, 2)):
+        model = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / f"m{seed}", "llama", seed=seed))
+        model.to(torch.bfloat16).save_pretrained(run / "hf" / f"stage_{stage}")
+        AutoTokenizer.from_pretrained(tmp_path / f"m{seed}").save_pretrained(run / "hf" / f"stage_{stage}")
+    (run / "metrics.jsonl").write_text("")
+    venv, cpu_dir = sglang_cpu_paths()
+    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "amc23.jsonl"
+    if not data.exists():
+        data = tmp_path / "tiny.jsonl"
+        data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": "4"}\n')
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "tools" / "evaluate.py"), "--run", str(run),
+           "--data", f"amc={data}", "--samples", "amc=2", "--limit", "2", "--max-response-len", "8",
+           "--max-prompt-length", "4096", "--rollout-engine", "sglang", "--sglang-python", str(venv / "bin" / "python"),
+           "--sglang-env", f"SGLANG_USE_CPU_ENGINE=1 PYTHONPATH={cpu_dir / 'stubs'}",
+           "--sglang-server-args", CPU_SERVER_ARGS, "--reward-workers", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "SGLANG_API_KEY": API_KEY})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert [c["name"] for c in summary["checkpoints"]] == ["stage_0", "stage_1"]

@@ -269,3 +269,27 @@ def test_cli_on_tiny_model_with_local_engine(tmp_path, tiny_dir):
     assert report["average"] == 0.0
     assert len((out / "model.responses.jsonl").read_text().splitlines()) == 2 * 3 + 2 * 4
     assert "| aime24 | 0.00 | 0.00 | 2 | 3 |" in proc.stdout
+
+
+def test_engine_dtype_comes_from_the_checkpoint(tmp_path, monkeypatch):
+    """A bf16 export is served in bfloat16 (a float32 server would refuse its weights at the second checkpoint's
+    layout check); --rollout-dtype still wins."""
+    import importlib.util
+
+    import megamu.engines
+
+    spec = importlib.util.spec_from_file_location("evaluate_tool", REPO / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    built = []
+    monkeypatch.setattr(megamu.engines, "build_engine", lambda cfg, hf_dir: built.append((cfg.dtype, hf_dir)))
+    for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"dtype": dtype}))
+    (tmp_path / "x.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    base = ["--hf-dir", str(tmp_path / "bf16"), "--data", f"x={tmp_path / 'x.jsonl'}", "--rollout-engine", "sglang",
+            "--sglang-url", "http://127.0.0.1:1"]
+    tool.engine_factory(tool.parse_args(base))(tmp_path / "bf16")
+    tool.engine_factory(tool.parse_args(base))(tmp_path / "fp32")
+    tool.engine_factory(tool.parse_args(base + ["--rollout-dtype", "float32"]))(tmp_path / "bf16")
+    assert [d for d, _ in built] == ["bfloat16", "float32", "float32"]

@@ -18,6 +18,7 @@ rollout and give it back bitwise; ``memory()`` reports what the trainer's tensor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,7 +189,7 @@ class TorchAdamW(SkipCounter):
         self._load_counts(state)
 
     def _moments(self) -> list[torch.Tensor]:
-        return [st[k] for _, p in self.named_params if (st := self.opt.state.get(p)) for k in ADAM_STATES]
+        return adam_moments(st for _, p in self.named_params if (st := self.opt.state.get(p)))
 
     def offload(self, spill_dir: str | Path) -> None:
         """Free the gradients (the next update starts from ``zero_grad``) and spill the Adam moments to a file
@@ -226,6 +227,13 @@ class TorchAdamW(SkipCounter):
             "step": torch.as_tensor(state["step"], dtype=torch.float32).clone(),
             **{k: state[k].to(dtype=p.dtype, device=p.device).clone() for k in ADAM_STATES},
         }
+
+
+def adam_moments(states: Iterable[dict]) -> list[torch.Tensor]:
+    """The Adam moments among optimiser per-parameter states: what ``offload`` moves and frees. Without TE or apex,
+    megatron-core falls back to torch's AdamW, whose scalar ``step`` tensors start on the CPU and are moved to the GPU
+    by ``restore_from_cpu``: counting them would make the memory after a reload look larger than before."""
+    return [st[k] for st in states for k in ADAM_STATES if isinstance(st.get(k), torch.Tensor)]
 
 
 class MegatronDistributedAdam(SkipCounter):
@@ -376,8 +384,7 @@ class MegatronDistributedAdam(SkipCounter):
         buffers = self._buffers()
         groups = [g for opt in self._optimizers() for g in opt.optimizer.param_groups]
         main = [p for g in groups for p in g["params"]]
-        states = [v for opt in self._optimizers() for st in opt.optimizer.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor)]
+        states = adam_moments(st for opt in self._optimizers() for st in opt.optimizer.state.values())
         return TrainerMemory(
             params=storage_bytes([b.param_data for b in buffers] + list(self.ddp.module.parameters()), device, seen),
             grads=storage_bytes([b.grad_data for b in buffers], device, seen),

@@ -156,3 +156,20 @@ def test_megatron_param_and_grad_buffer_offload_keeps_views_and_values(distribut
     torch.optim.SGD(params, lr=1.0).step()
     for p, v in zip(params, values):
         assert torch.equal(p.detach(), (v.float() - 0.5).to(torch.bfloat16))
+
+
+def test_memory_counts_the_adam_moments_not_the_step_counters():
+    """What offload moves: torch AdamW's per-parameter states hold a scalar "step" tensor beside the two moments
+    (megatron-core's fallback without TE/apex keeps it on the CPU, and a reload moves it to the GPU)."""
+    import torch
+
+    from megamu.training.optimizer import adam_moments
+
+    params = [torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(5))]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    assert all("step" in st and torch.is_tensor(st["step"]) for st in opt.state.values())
+    moments = adam_moments(opt.state.values())
+    assert len(moments) == 4 and sum(m.numel() for m in moments) == 2 * (12 + 5)
+    assert all(m.shape == p.shape for m, p in zip(moments, [params[0], params[0], params[1], params[1]]))

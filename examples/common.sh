@@ -16,6 +16,9 @@ MEGAMU_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GPUS=${GPUS:-4}
 NNODES=${NNODES:-1}
 MAX_PROMPT_LEN=1024
+# The offload/reload cycles around each rollout fragment the caching allocator; expandable segments let freed blocks
+# be reused for the next phase's differently sized tensors (PyTorch's documented remedy for fragmentation OOMs).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # Settings common to every method (App. B): AdamW, lr 1e-6 constant, betas (0.9, 0.999), wd 0.01, no KL term
 # (the trainer has none), binary math-verify reward, T = 1.0, G = 8 samples, B_mini = 32 prompt groups per update.

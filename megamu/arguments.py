@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shlex
 from pathlib import Path
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
                    help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
     g.add_argument("--keep-checkpoints", type=int, default=_default(PolicyConfig, "keep_checkpoints"),
-                   help="checkpoints kept under --save, newest first (0: all)")
+                   help="checkpoints and --hf-export-interval exports kept under --save, newest first (0: all)")
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF exports the engine loads (default: the training precision)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
@@ -286,6 +287,19 @@ def check_paths(args: argparse.Namespace) -> None:
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
 
 
+def model_context(args: argparse.Namespace) -> int | None:
+    """The model's context (max_position_embeddings of --hf-checkpoint's config.json), when it is readable here."""
+    config = os.path.join(args.hf_checkpoint or "", "config.json")
+    if not args.hf_checkpoint or not os.path.exists(config):
+        return None
+    with open(config) as f:
+        context = json.load(f).get("max_position_embeddings")
+    if context and args.rollout_max_response_len >= context:
+        _error("--rollout-max-response-len", f"{args.rollout_max_response_len} leaves no room for a prompt in the "
+               f"model's context of {context} (max_position_embeddings in {config})")
+    return context
+
+
 def check_device(args: argparse.Namespace, device: Device) -> None:
     """What the device cannot do is refused here, before any process group or model exists."""
     if args.bf16 and not device.is_cuda:
@@ -353,7 +367,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
-        skip_bad_rows=args.skip_bad_rows)
+        skip_bad_rows=args.skip_bad_rows, context_length=model_context(args),
+        max_response_len=args.rollout_max_response_len)
     return _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
         async_=async_, prompts=prompts, save=save,

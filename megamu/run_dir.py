@@ -88,6 +88,15 @@ class RunDir:
             shutil.rmtree(leftover)
         return True
 
+    def prune_iter_exports(self, keep: int) -> list[Path]:
+        """Keep the newest ``keep`` ``hf/iter_N`` exports (--hf-export-interval; 0: all): a 7B export is ~15 GB, and
+        one every 200 updates of a 4096-update run would otherwise fill ~300 GB. Returns the deleted folders."""
+        found = sorted((d for d in self.exports.glob("iter_*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
+        doomed = found[:-keep] if keep > 0 else []
+        for folder in doomed:
+            remove_dir(folder)
+        return doomed
+
     def sync_exports(self) -> dict[int, Path]:
         return {int(d.name.removeprefix("sync_")): d for d in self.exports.glob("sync_*")}
 

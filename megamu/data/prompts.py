@@ -143,8 +143,13 @@ def load_prompts(
     instruction: str = DEFAULT_INSTRUCTION,
     few_shot: list[tuple[str, str]] = (),
     code_instruction: str = CODE_INSTRUCTION,
+    context_length: int | None = None,
+    max_response_len: int = 0,
 ) -> list[PromptRecord]:
-    """Read, validate and tokenize all prompts; prompt ids are 0..N-1 in file then row order (rows are 1-based)."""
+    """Read, validate and tokenize all prompts; prompt ids are 0..N-1 in file then row order (rows are 1-based).
+
+    With ``context_length``, a prompt whose tokens plus ``max_response_len`` exceed the model's context is a bad row:
+    its reply could run into positions the model never saw (and a server refuses it hours into a rollout)."""
     if isinstance(files, (str, Path)):
         files = [files]
     records: list[PromptRecord] = []
@@ -158,6 +163,9 @@ def load_prompts(
                 ids = render_prompt(tokenizer, messages, few_shot)
                 if len(ids) > max_prompt_length:
                     raise ValueError(f"prompt is {len(ids)} tokens, over --max-prompt-length {max_prompt_length}")
+                if context_length is not None and len(ids) + max_response_len > context_length:
+                    raise ValueError(f"prompt is {len(ids)} tokens: with --rollout-max-response-len "
+                                     f"{max_response_len} that is over the model's context of {context_length}")
             except ValueError as e:
                 bad.append(f"{path}: row {row_no}: {e}")
                 continue

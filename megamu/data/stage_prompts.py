@@ -30,6 +30,8 @@ class PromptsConfig:
     answer_key: str = "answer"
     max_prompt_length: int = 1024
     skip_bad_rows: bool = False
+    context_length: int | None = None  # the model's (max_position_embeddings): prompt + reply must fit it
+    max_response_len: int = 0
 
     def __post_init__(self):
         check_positive(self, "prompts_per_stage", "max_prompt_length")
@@ -46,7 +48,8 @@ class Prompts:
             files, instruction, few_shot = [str(self._write_builtin())], DEMO_INSTRUCTION, DEMO_FEW_SHOT
         prompts = load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                                max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
-                               instruction=instruction, few_shot=few_shot)
+                               instruction=instruction, few_shot=few_shot, context_length=cfg.context_length,
+                               max_response_len=cfg.max_response_len)
         order = list(range(len(prompts)))
         random.Random(cfg.seed).shuffle(order)
         n_held_out = min(cfg.held_out, len(prompts) // 2)

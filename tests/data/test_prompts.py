@@ -114,3 +114,13 @@ def test_builtin_task_holds_out_every_eval_prompt_when_training_uses_fewer(tmp_p
     assert len(prompts.held_out) == 100
     assert len(prompts.for_stage(0)) == 48
     assert not {p.problem for p in prompts.held_out} & {p.problem for p in prompts.train}
+
+
+def test_a_prompt_whose_reply_would_overrun_the_context_is_a_bad_row(tmp_path, tok):
+    f = _jsonl(tmp_path / "ctx.jsonl", [{"problem": "short", "answer": "1"}, {"problem": "y" * 150, "answer": "2"}])
+    lengths = [len(r.prompt_ids) for r in load_prompts([f], tok, max_prompt_length=1000)]
+    context = lengths[1] + 9  # row 2 fits with a 9-token reply, not with a 10-token one
+    assert len(load_prompts([f], tok, context_length=context, max_response_len=9)) == 2
+    with pytest.raises(PromptDataError, match=rf"row 2: prompt is {lengths[1]} tokens: with "
+                                              rf"--rollout-max-response-len 10 .*context of {context}"):
+        load_prompts([f], tok, context_length=context, max_response_len=10)

@@ -191,6 +191,7 @@ def test_dry_run_prints_plan_and_starts_nothing(tiny, tmp_path):
         (["--lr", "0"], "--lr"),
         (["--reward-fn", "nocolon"], "--reward-fn"),
         (["--algorithm", "ppo"], "--algorithm"),
+        (["--rollout-max-response-len", "512"], "--rollout-max-response-len: 512 leaves no room"),
         (["--hf-checkpoint", "/nonexistent/model"], "--hf-checkpoint"),
     ],
 )

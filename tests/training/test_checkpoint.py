@@ -158,3 +158,17 @@ def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
     assert prune_stage_export()
     assert list((tmp_path / "hf").iterdir()) == []
     assert not prune_stage_export()  # idempotent on resume
+
+
+def test_iter_exports_fall_under_retention(tmp_path):
+    from megamu.run_dir import RunDir
+
+    run = RunDir(tmp_path)
+    for n in (200, 400, 600, 1000):
+        run.iter_export(n).mkdir(parents=True)
+    run.final_export.mkdir()
+    run.stage_export(3).mkdir()
+    deleted = run.prune_iter_exports(keep=2)
+    assert sorted(d.name for d in deleted) == ["iter_0000200", "iter_0000400"]  # by update count, oldest first
+    assert sorted(d.name for d in (tmp_path / "hf").iterdir()) == ["final", "iter_0000600", "iter_0001000", "stage_3"]
+    assert run.prune_iter_exports(keep=0) == []  # 0 keeps all

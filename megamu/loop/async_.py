@@ -220,8 +220,8 @@ def train_async(run) -> None:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)
     bar.close()
+    final = run.export_final()  # collective: before rank 0 alone stops the engine process
     engine.stop()  # the engine process's memory is free for the evaluation's engine
-    final = run.export_final()
     if parallel.is_main_rank() and run.prompts.held_out:
         from megamu.reward import make_scorer
 

@@ -110,6 +110,19 @@ def test_tiny_lag_drops_stale_and_trainer_kill_resumes(tiny, tmp_path):
     wait_workers_gone(save)
 
 
+def test_tp2_ranks_wait_for_the_engine_on_the_cpu_group(tiny, tmp_path):
+    """Rank 1 waits while rank 0 waits for the engine process (its start, a slow reward, a reload): that wait is on
+    the CPU-side gloo group, so a collective timeout of 3 s does not end a run whose shards take longer than that."""
+    save, iters, lag = tmp_path / "tp2", 4, 2
+    flags = async_flags(tiny, save, iters=iters, lag=lag, sync=2,
+                        extra=("--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.05"))
+    flags[flags.index("tests.e2e.rewards:has_digit")] = "tests.e2e.rewards:slow_has_digit"
+    launch(flags, nproc=2)
+    check_consumption(save, iters, lag)
+    assert max(u["trainer_idle_s"] for u in records(save, "update")) > 3  # the wait did outlast the timeout
+    wait_workers_gone(save)
+
+
 def test_engine_killed_mid_run_is_a_clear_error_then_resumes(tiny, tmp_path):
     save, iters, lag = tmp_path / "engine-kill", 8, 2
     flags = async_flags(tiny, save, iters=iters, lag=lag, sync=2)

@@ -12,7 +12,8 @@ import warnings
 import torch
 
 from megamu import parallel
-from megamu.arguments import parse_args
+from megamu.arguments import check_memory, parse_args
+from megamu.memory_plan import plan_memory
 
 # megatron-core announces its fallbacks when Apex/TE are absent (always, on CPU); they are expected, not actionable.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
@@ -20,8 +21,14 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
+    memory = plan_memory(cfg.memory) if cfg.memory else None
     if os.environ.get("RANK", "0") == "0":
-        print("μ-GRPO plan:\n" + cfg.describe() + "\n" + cfg.plan.json_line(), flush=True)
+        print("μ-GRPO plan:\n" + cfg.describe(), flush=True)
+        if memory:
+            print(memory.table(), flush=True)
+        print(cfg.plan.json_line(), flush=True)
+    if memory:
+        check_memory(memory)  # a plan that cannot fit the device stops here, naming the line that overflows
     if cfg.dry_run:
         return
     if cfg.cpu_threads:

@@ -85,8 +85,10 @@ run_mu_grpo() {
 }
 
 # Standard GRPO, low staleness: μ = 4, ε = 0.2, 1024 refreshes; the engine stays up and weights are pushed in place.
+# Its servers share the trainer's GPUs, so they release their KV cache and weights while the trainer trains
+# (--sglang-memory-saver): resident through training, they would leave ~15 GiB of an H200 for it.
 run_grpo() {
-    megamu_launch grpo --algorithm grpo --num-stages 1024 --mu 4 --rollout-mode colocated \
+    megamu_launch grpo --algorithm grpo --num-stages 1024 --mu 4 --rollout-mode colocated --sglang-memory-saver \
         --clip-low 0.2 --clip-high 0.2 "$@"
 }
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
 from megamu.data.stage_prompts import PromptsConfig
-from megamu.device import Device
+from megamu.device import CPU, Device
 from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.loop.async_ import AsyncConfig
+from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.policy import PolicyConfig
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import RolloutConfig
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                    help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
-                        "the engine generates (default: on in staged mode, off in colocated mode)")
+                        "the engine generates (default: on in staged and colocated modes, off in async mode)")
     g.add_argument("--rollout-temperature", type=float, default=_default(RolloutConfig, "temperature"))
     g.add_argument("--rollout-top-p", type=float, default=_default(RolloutConfig, "top_p"))
     g.add_argument("--rollout-max-response-len", type=int, default=_default(RolloutConfig, "max_new_tokens"))
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "are torchrun's own (launch it with CUDA_VISIBLE_DEVICES set to the others)")
 
     g = p.add_argument_group("run control")
+    g.add_argument("--gpu-memory-gib", type=float, default=_default(MemoryPlanConfig, "gpu_memory_gib"),
+                   help="memory of one GPU for the memory plan that --dry-run prints and every GPU run checks "
+                        "(default: an H200's)")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     g.add_argument("--eval-prompts", type=int, default=100, help="held-out greedy evaluation at start and end (0: off)")
     return p
@@ -158,6 +162,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
     g.add_argument("--sglang-env", default="",
                    help='environment of servers megamu launches, e.g. "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"')
+    g.add_argument("--sglang-memory-saver", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch servers with --enable-memory-saver and, in colocated mode, have them release their "
+                        "KV cache and weights while the trainer trains (default: on for colocated runs on GPUs, "
+                        "where servers share the trainer's devices)")
     g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
                    help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
                         "(default: memory in --rollout-mode colocated, disk in staged)")
@@ -200,8 +208,9 @@ def answer_key(args: argparse.Namespace) -> str:
     return args.answer_key or ("tests" if args.reward == "code" else "answer")
 
 
-def engine_config(args: argparse.Namespace, sync_backend: str = "gloo") -> EngineConfig:
-    """The engine flags (shared with tools/evaluate.py) as an EngineConfig; ``sync_backend`` is the trainer device's."""
+def engine_config(args: argparse.Namespace, device: Device | None = None) -> EngineConfig:
+    """The engine flags (shared with tools/evaluate.py) as an EngineConfig for the trainer's ``device``."""
+    device = device or CPU
     if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
@@ -221,7 +230,9 @@ def engine_config(args: argparse.Namespace, sync_backend: str = "gloo") -> Engin
         sglang = _config(SGLangConfig, urls=[u for u in (args.sglang_url or "").split(",") if u],
                          num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
                          extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
-                         server_env=env, weight_sync=sync, sync_backend=sync_backend)
+                         server_env=env, weight_sync=sync, sync_backend=device.backend,
+                         memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
+                         else args.sglang_memory_saver)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
     return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
                    sglang=sglang)
@@ -237,6 +248,7 @@ FLAG_OF_FIELD = {
     "shards_per_call": "--rollout-shards-per-call", "temperature": "--rollout-temperature", "top_p": "--rollout-top-p",
     "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
     "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
+    "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
 }
 
 
@@ -287,17 +299,51 @@ def check_paths(args: argparse.Namespace) -> None:
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
 
 
-def model_context(args: argparse.Namespace) -> int | None:
-    """The model's context (max_position_embeddings of --hf-checkpoint's config.json), when it is readable here."""
-    config = os.path.join(args.hf_checkpoint or "", "config.json")
-    if not args.hf_checkpoint or not os.path.exists(config):
+def hf_config(args: argparse.Namespace) -> dict | None:
+    """--hf-checkpoint's config.json, when it is readable here (a dry run of a cluster script may not see it)."""
+    path = os.path.join(args.hf_checkpoint or "", "config.json")
+    if not args.hf_checkpoint or not os.path.exists(path):
         return None
-    with open(config) as f:
-        context = json.load(f).get("max_position_embeddings")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_context(args: argparse.Namespace, config: dict | None) -> int | None:
+    """The model's context (max_position_embeddings); a reply as long as it leaves no room for any prompt."""
+    context = (config or {}).get("max_position_embeddings")
     if context and args.rollout_max_response_len >= context:
         _error("--rollout-max-response-len", f"{args.rollout_max_response_len} leaves no room for a prompt in the "
-               f"model's context of {context} (max_position_embeddings in {config})")
+               f"model's context of {context} (max_position_embeddings of --hf-checkpoint)")
     return context
+
+
+def memory_plan_config(args: argparse.Namespace, config: dict | None, device: Device, policy: PolicyConfig,
+                       engine: EngineConfig) -> MemoryPlanConfig | None:
+    """The memory plan's inputs, for a run meant for GPUs (on one, or a dry run with --bf16 or Transformer Engine)
+    whose model config is readable here; None otherwise."""
+    if config is None or not (device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine"):
+        return None
+    try:
+        model = ModelShape.from_hf_config(config)
+    except ConfigError as e:  # e.g. MoE layers, which the plan does not model
+        print(f"note: no memory plan for this model: {e.message}", flush=True)
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    server_args = shlex.split(args.sglang_server_args)
+    fraction = next((float(v) for k, v in zip(server_args, server_args[1:]) if k == "--mem-fraction-static"), None)
+    servers = engine.sglang.num_servers * engine.sglang.tp_size if engine.kind == "sglang" else 1
+    return _config(
+        MemoryPlanConfig, model=model,
+        micro_batch_size=args.micro_batch_size, max_seq_len=args.max_prompt_length + args.rollout_max_response_len,
+        max_response_len=args.rollout_max_response_len, params_dtype="bf16" if args.bf16 else "fp32",
+        tp=args.tensor_model_parallel_size, dp=max(1, world // args.tensor_model_parallel_size),
+        recompute_granularity=args.recompute_granularity,
+        transformer_impl=args.transformer_impl or "transformer_engine", rollout_mode=args.rollout_mode,
+        offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
+        server_tp=engine.sglang.tp_size if engine.kind == "sglang" else 1,
+        mem_fraction_static=_default(MemoryPlanConfig, "mem_fraction_static") if fraction is None else fraction,
+        release_during_training=engine.kind == "sglang" and engine.sglang.memory_saver,
+        gpu_memory_gib=args.gpu_memory_gib)
 
 
 def check_device(args: argparse.Namespace, device: Device) -> None:
@@ -322,11 +368,17 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     check_device(args, device)
 
 
+def check_memory(plan) -> None:
+    """A MemoryPlan that overflows the device is an error naming the flag to change and the line that overflows."""
+    _config(plan.check)
+
+
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
     """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
     args = build_parser().parse_args(argv)
     device = device or Device.detect()
     check_inputs(args, device)
+    config = hf_config(args)
     algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
                    veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
                    aggregation=args.loss_aggregation)
@@ -335,7 +387,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
                         lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps)
     save = Path(args.save)
     plan = plan_of(args, algo.name)
-    engine = engine_config(args, sync_backend=device.backend)
+    engine = engine_config(args, device)
     # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
     cpu_split = args.rollout_mode == "async" and not device.is_cuda
     worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
@@ -346,7 +398,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
         keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
-        offload_train=args.rollout_mode == "staged" if args.offload_train is None else args.offload_train,
+        # staged and colocated engines take turns with the trainer for the device; async ones have devices of their own
+        offload_train=args.rollout_mode != "async" if args.offload_train is None else args.offload_train,
         recompute_granularity=args.recompute_granularity)
     rollout = _config(
         RolloutConfig, n_samples=args.n_samples_per_prompt, seed=args.seed, temperature=args.rollout_temperature,
@@ -367,7 +420,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
-        skip_bad_rows=args.skip_bad_rows, context_length=model_context(args),
+        skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
         max_response_len=args.rollout_max_response_len)
     return _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
@@ -377,4 +430,5 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
         cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
-        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run)
+        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
+        memory=memory_plan_config(args, config, device, policy, engine))

@@ -13,6 +13,7 @@ from megamu.device import Device
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.loop.async_ import AsyncConfig
+from megamu.memory_plan import MemoryPlanConfig
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 
@@ -171,6 +172,7 @@ class RunConfig:
     recompute_behaviour_logprobs: bool = False
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
+    memory: MemoryPlanConfig | None = None  # GPU runs whose model config is readable: what each GPU holds per phase
 
     def __post_init__(self):
         check_positive(self, "tensor_model_parallel_size", "log_interval", "cpu_threads")

@@ -7,7 +7,9 @@ in how the weights reach the engine (``StageEngine.wants``):
   so its memory is free for the μ updates;
 - colocated: the engine starts once from a folder and stays up; later stages push the new weights into it, in memory
   (the local engine; SGLang with --weight-sync memory) or from a folder (SGLang with --weight-sync disk). Each SGLang
-  push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync" record.
+  push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync" record. Servers
+  on the trainer's GPUs (--sglang-memory-saver, the default on GPUs) give their memory back while the trainer trains
+  and take it again around the push (megamu.engines.sglang.memory).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from megamu import parallel
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import Engine, EngineConfig, build_engine
+from megamu.engines.sglang import memory
 from megamu.loop.heldout import evaluate_held_out
 from megamu.metrics import MetricsLogger
 from megamu.rollout import RolloutConfig
@@ -54,6 +57,9 @@ class StageEngine:
         self.scorer = None  # rank 0 only, created with the first engine
         self.hf_dir: Path | None = None  # the folder the next engine starts from
         self.warm = False  # every rank: whether rank 0's engine stays up between stages (colocated, after stage 0)
+        # colocated servers that take turns with the trainer for the GPU's memory; what they have released now
+        self.saves_memory = mode == "colocated" and engine.kind == "sglang" and engine.sglang.memory_saver
+        self.released: tuple[str, ...] = ()
         self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
 
     def sampling(self, stage: int):
@@ -77,6 +83,7 @@ class StageEngine:
             return
         if not parallel.is_main_rank():
             return
+        self._resume(memory.WEIGHTS)  # the push lands in the servers' own weight memory
         hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
         report = self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
                                             probe=weights.probe)
@@ -84,6 +91,11 @@ class StageEngine:
             self.metrics.log("sync", step=stage, stage=stage, mode=report.mode, t_sync=report.seconds,
                              bytes=report.bytes, weight_version=report.version,
                              probe_mean_abs_diff=report.probe_mean_abs_diff)
+
+    def wake(self) -> None:
+        """The servers' KV cache and CUDA graphs back, once the trainer has offloaded (rank 0)."""
+        if parallel.is_main_rank():
+            self._resume(*memory.ALL)
 
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
         """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0)."""
@@ -101,7 +113,9 @@ class StageEngine:
         if not (parallel.is_main_rank() and self.held_out):
             return
         if weights is not None and self.engine is not None:
+            self._resume(memory.WEIGHTS)
             self.engine.update_weights(hf_dir=str(weights.hf_dir))
+            self._resume(*memory.ALL)
         elif weights is not None:
             self.engine = build_engine(self.engine_cfg, weights.hf_dir)
         _, self.t_eval = evaluate_held_out(self.engine, self.held_out, self.sampling(stage), self._scorer(),
@@ -109,11 +123,20 @@ class StageEngine:
 
     def release(self) -> None:
         """After D_k: staged mode stops the engine, so its memory is free for the optimisation (§4, Phase 1);
-        colocated mode keeps it for the next push."""
+        colocated mode keeps it for the next push, its servers' memory given back when they share the GPUs."""
         if self.mode == "staged" and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.saves_memory and self.engine is not None and not self.released:
+            memory.release(self.engine, memory.ALL)
+            self.released = memory.ALL
         self.warm = self.mode == "colocated"
+
+    def _resume(self, *tags: str) -> None:
+        todo = tuple(t for t in self.released if t in tags)
+        if todo:
+            memory.resume(self.engine, todo)
+            self.released = tuple(t for t in self.released if t not in todo)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -144,13 +167,14 @@ def train_staged(run) -> None:
             want = engine.wants()
             weights = policy.weights(hf_dir=run_dir.stage_export(stage) if want.folder else None,
                                      tensors=want.tensors, probe_ids=want.probe_ids)  # 1. θ_k -> β_k (collective)
-            engine.load(weights, stage)
+            engine.load(weights, stage)  # colocated: the servers' weights come back and take the push
             t1 = time.perf_counter()
             policy.offload()  # 2. the trainer gives the device back (§4)
+            engine.wake()  # colocated: the servers' KV cache comes back
             engine.generate(stage, run.prompts.for_stage(stage), policy.version)  # 3. rank 0 writes D_k
             if stage == 0:
                 engine.evaluate(stage, "base")  # the held-out baseline, on the stage-0 engine
-            engine.release()  # 4. staged: the engine exits and frees its memory
+            engine.release()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
             if parallel.is_main_rank():

@@ -168,3 +168,34 @@ def test_every_paper_model_has_all_scripts():
             assert os.access(EXAMPLES / model / f"run_{method}.sh", os.X_OK)
     readme = (EXAMPLES / "README.md").read_text()
     assert all(m in readme for m in [*MODELS, CODE_MODEL]) and "H200" in readme
+
+
+# Qwen2.5-Math-7B's config.json (public): the numbers the memory plan reads.
+QWEN25_MATH_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+                  "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                  "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 4096,
+                  "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("method", ["mu_grpo", "grpo"])
+def test_the_7b_examples_memory_plan_fits_an_h200_and_the_old_colocated_settings_do_not(method, tmp_path,
+                                                                                         monkeypatch, capsys):
+    model = tmp_path / "Qwen2.5-Math-7B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_MATH_7B))
+    env, argv = _launch_argv(EXAMPLES / "qwen2.5-math-7b" / f"run_{method}.sh", tmp_path, DRY_RUN="1",
+                             HF_CHECKPOINT=str(model))
+    plan, cfg = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
+    assert cfg.memory is not None and (cfg.memory.tp, cfg.memory.dp, cfg.memory.gpu_memory_gib) == (2, 2, 141.0)
+    from megamu.memory_plan import plan_memory
+
+    memory = plan_memory(cfg.memory)
+    memory.check()  # every phase fits
+    assert {"training"} < set(memory.phases())
+    if method == "grpo":  # the servers as they were: resident through training, 85% of what was free at launch
+        old = [a for a in argv if a != "--sglang-memory-saver"][:-1] + ["--no-sglang-memory-saver", "--dry-run"]
+        import pretrain_mu_grpo
+
+        monkeypatch.setenv("WORLD_SIZE", env["WORLD_SIZE"])
+        with pytest.raises(SystemExit, match=r"--gpu-memory-gib: .*'training'"):
+            pretrain_mu_grpo.main(old[1:])

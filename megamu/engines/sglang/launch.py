@@ -52,6 +52,7 @@ class SGLangConfig:
     backoff_s: float = 1.0
     shutdown_grace_s: float = 30.0
     weight_sync: str = "disk"  # "disk" (/update_weights_from_disk) or "memory" (/update_weights_from_distributed)
+    memory_saver: bool = False  # launch with --enable-memory-saver; colocated stages release and resume (memory.py)
     weight_bucket_mb: float = 512.0  # bytes per broadcast of an in-memory sync
     sync_backend: str = "gloo"  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
     sync_master_address: str = "127.0.0.1"  # this process's address as the servers reach it
@@ -160,7 +161,7 @@ def server_command(cfg: SGLangConfig, hf_dir: str, port: int, index: int, api_ke
     return [cfg.server_python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
             "--host", cfg.host, "--port", str(port), "--tp-size", str(cfg.tp_size),
             "--base-gpu-id", str(index * cfg.tp_size), "--dtype", cfg.dtype, "--api-key", api_key,
-            *cfg.extra_server_args]
+            *(["--enable-memory-saver"] if cfg.memory_saver else []), *cfg.extra_server_args]
 
 
 def advertised_host(host: str) -> str:

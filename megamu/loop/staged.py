@@ -60,6 +60,8 @@ class StageEngine:
         # colocated servers that take turns with the trainer for the GPU's memory; what they have released now
         self.saves_memory = mode == "colocated" and engine.kind == "sglang" and engine.sglang.memory_saver
         self.released: tuple[str, ...] = ()
+        self.report = None  # (stage, SyncReport) of the last push, logged once its probe is checked
+        self.pending = None  # the probe of a push into servers that released their KV cache, checked by wake()
         self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
 
     def sampling(self, stage: int):
@@ -79,23 +81,36 @@ class StageEngine:
     def load(self, weights: Weights, stage: int) -> None:
         """β_k's weights: the folder the next engine starts from, or a push into the running engine (rank 0)."""
         self.hf_dir = weights.hf_dir or self.hf_dir  # the folder the stage's manifest names as its model
-        if not self.warm:
-            return
-        if not parallel.is_main_rank():
+        if not self.warm or not parallel.is_main_rank():
             return
         self._resume(memory.WEIGHTS)  # the push lands in the servers' own weight memory
+        # servers without their KV cache cannot run the probe: it waits for wake()
+        probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
         hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
         report = self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
-                                            probe=weights.probe)
+                                            probe=probe)
         if report is not None:  # engines that check a push (SGLang) report it
-            self.metrics.log("sync", step=stage, stage=stage, mode=report.mode, t_sync=report.seconds,
-                             bytes=report.bytes, weight_version=report.version,
-                             probe_mean_abs_diff=report.probe_mean_abs_diff)
+            self.report = (stage, report)
+            if self.pending is None:
+                self._log_sync()
 
     def wake(self) -> None:
-        """The servers' KV cache and CUDA graphs back, once the trainer has offloaded (rank 0)."""
-        if parallel.is_main_rank():
-            self._resume(*memory.ALL)
+        """The servers' KV cache and CUDA graphs back once the trainer has offloaded; then the push's probe (rank 0)."""
+        if not parallel.is_main_rank():
+            return
+        self._resume(*memory.ALL)
+        if self.pending is not None:
+            from megamu.engines.sglang.weight_sync import check_probe
+
+            stage, report = self.report
+            self.report = (stage, replace(report, probe_mean_abs_diff=check_probe(self.engine, self.pending)))
+            self.pending = None
+            self._log_sync()
+
+    def _log_sync(self) -> None:
+        stage, r = self.report
+        self.metrics.log("sync", step=stage, stage=stage, mode=r.mode, t_sync=r.seconds, bytes=r.bytes,
+                         weight_version=r.version, probe_mean_abs_diff=r.probe_mean_abs_diff)
 
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
         """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0)."""
@@ -114,7 +129,7 @@ class StageEngine:
             return
         if weights is not None and self.engine is not None:
             self._resume(memory.WEIGHTS)
-            self.engine.update_weights(hf_dir=str(weights.hf_dir))
+            self.engine.update_weights(hf_dir=str(weights.hf_dir), version=weights.version)
             self._resume(*memory.ALL)
         elif weights is not None:
             self.engine = build_engine(self.engine_cfg, weights.hf_dir)

@@ -26,6 +26,9 @@ class SchemaServer:
         self.log: list[dict] = []  # every /generate body received, and what was answered
         self.weight_version = "default"  # as SGLang: set by a weight update, reported on every sample
         self.max_req_input_len: int | None = None  # reported in /server_info when set (SGLang always reports it)
+        self.memory_saver = False  # as launched with --enable-memory-saver: it may release and resume its memory
+        self.released: set[str] = set()  # what it has released: no push while "weights", no generation while any
+        self.calls: list[str] = []  # every POST path in order, with its tags and weight version ("/x:kv_cache@4")
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -37,8 +40,23 @@ class SchemaServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def teacher_forced(self, ids: list[int]) -> dict:
+        """SGLang's answer to a prompt-only request with logprob_start_len 0: the log-prob of each input token given
+        the ones before it (none for the first), at temperature 1."""
+        import torch
+
+        with torch.no_grad():
+            logits = self.engine.model(torch.tensor([ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+        pairs = [[None, ids[0], None]] + [[v, t, None] for v, t in zip(lp, ids[1:])]
+        return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": pairs, "output_token_logprobs": [],
+                                                            "weight_version": self.weight_version}}
+
     def generate(self, body: dict):
         ids, params, rids = body["input_ids"], body["sampling_params"], body.get("rid")
+        if body.get("logprob_start_len") == 0 and params.get("max_new_tokens") == 0:
+            with self.lock:
+                return self.teacher_forced(ids)
         batch = isinstance(ids[0], list)
         prompts = ids if batch else [ids]
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -120,6 +138,22 @@ class SchemaServer:
                         server.rids.update(rids)
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
+                tags, version = body.get("tags") or [], body.get("weight_version")
+                server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
+                                    + (f"@{version}" if version else ""))
+                if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                    if not server.memory_saver:  # SGLang: the memory saver must be enabled at launch
+                        return self._reply(400, {"error": "memory saver is not enabled"})
+                    with server.lock:
+                        if self.path.startswith("/release"):
+                            server.released |= set(tags)
+                        else:
+                            server.released -= set(tags)
+                    return self._reply(200, {"success": True, "message": "ok"})
+                if self.path == "/update_weights_from_disk" and "weights" in server.released:
+                    return self._reply(400, {"error": "weights are released: resume them before an update"})
+                if self.path == "/generate" and server.released:
+                    return self._reply(400, {"error": f"released {sorted(server.released)}: nothing to run on"})
                 fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
                 if fault in ("503", "400"):
                     return self._reply(int(fault), {"error": f"injected HTTP {fault}"})

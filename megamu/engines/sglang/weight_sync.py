@@ -268,8 +268,12 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
     if got != {version}:
         raise RuntimeError(f"after the sync the servers report weight version(s) {sorted(got)}, not {version}")
     engine.weight_version = version
-    probe_diff = None
-    if probe is not None:
-        probe_diff = max(compare_probe(probe, engine.teacher_forced_logprobs(probe.token_ids, url), f"server {url}")
-                    for url in engine.urls)
+    probe_diff = check_probe(engine, probe) if probe is not None else None
     return SyncReport(mode, time.monotonic() - t0, version, sent, probe_diff)
+
+
+def check_probe(engine, probe: LogprobProbe) -> float:
+    """The worst server's mean |log-prob difference| on the probe; raises WeightMismatch beyond its tolerance. The
+    servers must hold their KV cache (a colocated server that released it checks after taking it back)."""
+    return max(compare_probe(probe, engine.teacher_forced_logprobs(probe.token_ids, url), f"server {url}")
+               for url in engine.urls)

@@ -33,4 +33,5 @@ def test_colocated_servers_release_before_training_and_resume_before_generating(
     assert len(records(save, "update")) == STAGES * MU
     # each push was probed once the KV cache was back: the servers serve the trainer's weights (fp32 on both sides)
     syncs = records(save, "sync")
-    assert [s["stage"] for s in syncs] == list(range(1, STAGES)) and all(s["probe_mean_abs_diff"] <= 1e-3 for s in syncs)
+    assert [s["stage"] for s in syncs] == list(range(1, STAGES))
+    assert all(s["probe_mean_abs_diff"] <= 1e-3 for s in syncs)

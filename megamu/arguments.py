@@ -166,6 +166,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch servers with --enable-memory-saver and, in colocated mode, have them release their "
                         "KV cache and weights while the trainer trains (default: on for colocated runs on GPUs, "
                         "where servers share the trainer's devices)")
+    g.add_argument("--weight-sync-address", default=None,
+                   help="this process's address as the servers reach it, for in-memory pushes over a process group "
+                        "(default: torchrun's MASTER_ADDR, else 127.0.0.1)")
     g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
                    help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
                         "(default: memory in --rollout-mode colocated, disk in staged)")
@@ -231,6 +234,8 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
                          extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
                          server_env=env, weight_sync=sync, sync_backend=device.backend,
+                         shares_trainer_devices=colocated,  # async servers have GPUs of their own
+                         sync_master_address=args.weight_sync_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
                          memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
                          else args.sglang_memory_saver)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")

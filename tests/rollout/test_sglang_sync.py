@@ -157,3 +157,50 @@ def test_streamed_phase_writes_the_same_shards_and_keeps_them_after_a_failure(se
     m = run_rollout_phase(client, prompts, tmp_path / "streamed", max_in_flight=3, **kw)  # resumed
     assert m.engine == "sglang" and m.num_groups == 7
     _assert_same_groups(StageDataset(tmp_path / "streamed").groups(), StageDataset(tmp_path / "calls").groups())
+
+
+def test_push_transport_follows_placement():
+    """Servers on the trainer's GPUs get IPC tensors; disjoint ones a broadcast group; no configuration puts two ranks
+    of one NCCL communicator on one device (NCCL: "Duplicate GPU detected"). gloo (CPU) accepts a shared device."""
+    from megamu.engines.sglang.tensor_sync import transport
+
+    table = {(shared, backend): transport(shared, backend) for shared in (True, False) for backend in ("nccl", "gloo")}
+    assert table == {(True, "nccl"): "tensor", (False, "nccl"): "distributed", (True, "gloo"): "distributed",
+                     (False, "gloo"): "distributed"}
+    assert not [k for k, v in table.items() if v == "distributed" and k == (True, "nccl")]
+
+
+def test_placement_follows_the_rollout_mode(tmp_path):
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+
+    base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
+    colocated = parse_args(base + ["--rollout-mode", "colocated"], device=Device("cuda")).engine.sglang
+    staged = parse_args(base, device=Device("cuda")).engine.sglang
+    asyn = parse_args(base + ["--rollout-mode", "async", "--train-iters", "8", "--rollout-devices", "2,3"],
+                      device=Device("cuda")).engine.sglang
+    assert (colocated.shares_trainer_devices, colocated.weight_sync, colocated.memory_saver) == (True, "memory", True)
+    assert not asyn.shares_trainer_devices and not staged.memory_saver
+    assert colocated.sync_master_address == "127.0.0.1"  # no MASTER_ADDR outside torchrun
+
+
+def test_a_tensor_bucket_round_trips_through_its_serialization():
+    """The payload a server rank reads: with torch.multiprocessing's own loader (what SGLang's restricted unpickler
+    allows), the flat tensor and its metadata give back every tensor bitwise (CPU: shared-memory files)."""
+    import base64
+    import pickle
+
+    import torch
+
+    from megamu.engines.sglang.tensor_sync import serialize_bucket
+
+    named = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7, dtype=torch.float32)),
+             ("c", torch.randn(2, 2).to(torch.bfloat16))]
+    payload, keep = serialize_bucket(named)
+    obj = pickle.loads(base64.b64decode(payload))
+    flat, meta = obj["flattened_tensor"], obj["metadata"]
+    assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in named)
+    for (name, t), m in zip(named, meta):
+        back = flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
+        assert (m.name, m.numel) == (name, t.numel() * t.element_size()) and torch.equal(back, t)
+    del keep

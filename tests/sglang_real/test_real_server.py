@@ -215,6 +215,56 @@ def test_memory_sync_matches_the_new_weights(served, tmp_path):
     assert engine._sync is group and engine.weight_version == "8"
 
 
+def test_tensor_payload_is_what_sglang_reads(tmp_path):
+    """A tensor push's payload, read back by SGLang 0.5.23's own code (its restricted unpickler and
+    FlattenedTensorBucket) in the CPU build's interpreter: every tensor bitwise."""
+    import subprocess
+
+    from megamu.engines.sglang.cpu_build import sglang_cpu_paths
+    from megamu.engines.sglang.tensor_sync import serialize_bucket
+
+    named = [("x.weight", torch.randn(4, 6)), ("y.bias", torch.arange(5, dtype=torch.float32))]
+    payload, keep = serialize_bucket(named)
+    torch.save(dict(named), tmp_path / "want.pt")
+    (tmp_path / "payload.b64").write_text(payload)
+    reader = """
+import sys, torch
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+monkey_patch_torch_reductions()
+obj = MultiprocessingSerializer.deserialize(open(sys.argv[1]).read())
+meta = [FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel) for m in obj["metadata"]]
+got = dict(FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta).reconstruct_tensors())
+want = torch.load(sys.argv[2])
+assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (got, want)
+print("ok", len(got))
+"""
+    venv, _ = sglang_cpu_paths()
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", reader, str(tmp_path / "payload.b64"),
+                          str(tmp_path / "want.pt")], capture_output=True, text=True, timeout=300)
+    del keep
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "2"], out.stdout + out.stderr[-3000:]
+
+
+def test_tensor_push_into_the_server(served, tmp_path):
+    """/update_weights_from_tensor, the colocated transport, against the CPU build: buckets inside a weight-update
+    session, then the served log-probs match the pushed weights'."""
+    from megamu.engines.sglang.tensor_sync import send_tensors
+    from megamu.engines.sglang.weight_sync import check_probe
+
+    engine = served.engine
+    new_dir = str(save_tiny_model(tmp_path / "tensor", "llama", seed=13))
+    state = served.model(new_dir).state_dict()
+    engine.config.weight_bucket_mb = 0.02  # several buckets
+    assert send_tensors(engine, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
+    served.model_dir = new_dir
+    assert check_probe(engine, _probe(new_dir, served)) <= ATOL
+    engine.weight_version = "21"
+    for s in engine.generate([GenerateRequest(2, [8, 9, 10], SamplingParams(temperature=1.0, max_new_tokens=6))]):
+        assert s.weight_version == "21"
+
+
 def test_two_stage_run_against_the_server(served, tmp_path):
     """pretrain_mu_grpo.py with --sglang-url: each stage's export is checked against the running model and loaded
     from disk; θ = β at each stage's first update (ratio 1) shows server, converter and trainer agree."""

@@ -55,6 +55,7 @@ class SGLangConfig:
     memory_saver: bool = False  # launch with --enable-memory-saver; colocated stages release and resume (memory.py)
     weight_bucket_mb: float = 512.0  # bytes per broadcast of an in-memory sync
     sync_backend: str = "gloo"  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
+    shares_trainer_devices: bool = False  # servers on the trainer's GPUs (colocated): pushes go as tensors, not NCCL
     sync_master_address: str = "127.0.0.1"  # this process's address as the servers reach it
     vocab_size: int | None = None  # None: read from the served model's config.json when it is readable here
 

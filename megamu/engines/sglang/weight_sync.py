@@ -250,9 +250,14 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
         new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
         check_layout(new, running, engine.server_dtype, "in-memory weights")
         try:
-            if engine._sync is None:
-                engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}")
-            sent, mode = engine._sync.send(state_dict, version), "memory"
+            from megamu.engines.sglang.tensor_sync import send_tensors, transport
+
+            if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
+                sent, mode = send_tensors(engine, state_dict, version), "memory (tensor)"
+            else:
+                if engine._sync is None:
+                    engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}")
+                sent, mode = engine._sync.send(state_dict, version), "memory"
         except BaseException:
             # The servers may hold part of the new weights under the old version: expect a version no server
             # reports, so every sample generated before a successful sync is refused.

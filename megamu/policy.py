@@ -149,11 +149,19 @@ class Policy:
                        tensors=self.engine_weights() if tensors else None,
                        probe=self.logprob_probe(probe_ids) if probe_ids else None)
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors for an in-memory push (gathered over TP; every rank gets them, rank 0 uses them),
-        in the export dtype, like an export."""
+    def engine_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
+        elsewhere. Collective over rank 0's TP group only: its other ranks take part in each gather and drop the
+        tensor at once, and data-parallel replicas gather nothing, so no rank but 0 ever holds a full copy."""
+        if parallel.dp_rank() != 0:
+            return None
         dtype = DTYPES[self.export_dtype]
-        return {n: t.to(dtype) for n, t in mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))}
+        gathered = mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))
+        if not parallel.is_main_rank():
+            for _ in gathered:
+                pass
+            return None
+        return {n: t.to(dtype) for n, t in gathered}
 
     def logprob_probe(self, token_ids: list[int]) -> LogprobProbe:
         """The trainer's teacher-forced log-probs of ``token_ids`` at temperature 1 (collective), to check that an

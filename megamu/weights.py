@@ -32,9 +32,5 @@ class Weights:
 
     version: int  # optimiser updates behind these weights: the policy version of the samples they generate
     hf_dir: Path | None = None
-    tensors: dict[str, torch.Tensor] | None = None  # full (TP-gathered) tensors under HF names, in the export dtype
+    tensors: dict[str, torch.Tensor] | None = None  # full HF-named tensors in the export dtype; on global rank 0 only
     probe: LogprobProbe | None = None
-
-    def __post_init__(self):
-        if self.hf_dir is None and self.tensors is None:
-            raise ValueError("Weights need an HF folder or tensors (or both)")

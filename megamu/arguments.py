@@ -18,11 +18,11 @@ from megamu.device import CPU, Device
 from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.loop.async_ import AsyncConfig
-from megamu.memory_plan import MemoryPlanConfig, ModelShape
+from megamu.memory_plan import MemoryPlanConfig
 from megamu.policy import PolicyConfig
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, stage_counts
+from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
 from megamu.run_dir import RunDir
 from megamu.training.optimizer import OptimizerConfig
 
@@ -322,35 +322,6 @@ def model_context(args: argparse.Namespace, config: dict | None) -> int | None:
     return context
 
 
-def memory_plan_config(args: argparse.Namespace, config: dict | None, device: Device, policy: PolicyConfig,
-                       engine: EngineConfig) -> MemoryPlanConfig | None:
-    """The memory plan's inputs, for a run meant for GPUs (on one, or a dry run with --bf16 or Transformer Engine)
-    whose model config is readable here; None otherwise."""
-    if config is None or not (device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine"):
-        return None
-    try:
-        model = ModelShape.from_hf_config(config)
-    except ConfigError as e:  # e.g. MoE layers, which the plan does not model
-        print(f"note: no memory plan for this model: {e.message}", flush=True)
-        return None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    server_args = shlex.split(args.sglang_server_args)
-    fraction = next((float(v) for k, v in zip(server_args, server_args[1:]) if k == "--mem-fraction-static"), None)
-    servers = engine.sglang.num_servers * engine.sglang.tp_size if engine.kind == "sglang" else 1
-    return _config(
-        MemoryPlanConfig, model=model,
-        micro_batch_size=args.micro_batch_size, max_seq_len=args.max_prompt_length + args.rollout_max_response_len,
-        max_response_len=args.rollout_max_response_len, params_dtype="bf16" if args.bf16 else "fp32",
-        tp=args.tensor_model_parallel_size, dp=max(1, world // args.tensor_model_parallel_size),
-        recompute_granularity=args.recompute_granularity,
-        transformer_impl=args.transformer_impl or "transformer_engine", rollout_mode=args.rollout_mode,
-        offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
-        server_tp=engine.sglang.tp_size if engine.kind == "sglang" else 1,
-        mem_fraction_static=_default(MemoryPlanConfig, "mem_fraction_static") if fraction is None else fraction,
-        release_during_training=engine.kind == "sglang" and engine.sglang.memory_saver,
-        gpu_memory_gib=args.gpu_memory_gib)
-
-
 def check_device(args: argparse.Namespace, device: Device) -> None:
     """What the device cannot do is refused here, before any process group or model exists."""
     if args.bf16 and not device.is_cuda:
@@ -436,4 +407,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
-        memory=memory_plan_config(args, config, device, policy, engine))
+        memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
+                              tp=args.tensor_model_parallel_size, world=int(os.environ.get("WORLD_SIZE", "1")),
+                              gpu_memory_gib=args.gpu_memory_gib, for_gpu=device.is_cuda or args.bf16
+                              or args.transformer_impl == "transformer_engine"))

@@ -13,7 +13,7 @@ from megamu.device import Device
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.loop.async_ import AsyncConfig
-from megamu.memory_plan import MemoryPlanConfig
+from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 
@@ -194,3 +194,31 @@ class RunConfig:
         precision = "bf16" if self.policy.bf16 else "fp32"
         return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
                                              f"engine {self.engine.dtype}", self.device.describe())
+
+
+def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: EngineConfig, plan: Plan,
+                   prompts: PromptsConfig, tp: int, world: int, gpu_memory_gib: float,
+                   for_gpu: bool) -> MemoryPlanConfig | None:
+    """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
+    for models the plan does not model, e.g. MoE layers, with a note)."""
+    if model_config is None or not for_gpu:
+        return None
+    try:
+        model = ModelShape.from_hf_config(model_config)
+    except ConfigError as e:
+        print(f"note: no memory plan for this model: {e.message}", flush=True)
+        return None
+    sg = engine.sglang
+    args = list(sg.extra_server_args)
+    fraction = next((float(v) for k, v in zip(args, args[1:]) if k == "--mem-fraction-static"), None)
+    servers = sg.num_servers * sg.tp_size if engine.kind == "sglang" else 1
+    return MemoryPlanConfig(
+        model=model, micro_batch_size=policy.micro_batch_size,
+        max_seq_len=prompts.max_prompt_length + plan.max_response_len, max_response_len=plan.max_response_len,
+        params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, dp=max(1, world // tp),
+        recompute_granularity=policy.recompute_granularity,
+        transformer_impl=policy.transformer_impl or "transformer_engine", rollout_mode=plan.rollout_mode,
+        offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
+        server_tp=sg.tp_size if engine.kind == "sglang" else 1,
+        mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
+        release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib)

@@ -212,3 +212,24 @@ def test_previous_layout_loads_once_with_a_message(run, tmp_path, capsys):
     # the next save is in the new format, beside the old folder
     save_checkpoint(old, 2, model2, run["arch"], opt2, extra={"stage": 2})
     assert (old / "iter_0000002" / "metadata.json").exists()
+
+
+def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, tmp_path):
+    """What Megatron-LM writes has no megamu_state.json: its weights (and Adam moments) load, no run state."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    foreign = tmp_path / "megatron"
+    shutil.copytree(run["root"] / "save", foreign)
+    (foreign / "iter_0000001" / "megamu_state.json").unlink()
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(foreign, model, run["arch"], opt) == {"iteration": 1, "run_state": False}
+    torch.manual_seed(4)
+    policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
+                                 save_dir=tmp_path / "save", load_dir=foreign, offload_dir=tmp_path / "offload"))
+    assert policy.load_latest() is None  # a new run: stage 0, update 0
+    for (n, a), (_, b) in zip(model.named_parameters(), policy.model.named_parameters()):
+        assert torch.equal(a, b), n  # the checkpoint's weights, not the HF folder's
+        assert torch.equal(opt.param_state(a)["exp_avg"], policy.optimizer.param_state(b)["exp_avg"]), n

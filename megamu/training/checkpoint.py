@@ -346,3 +346,45 @@ def _load_sharded(folder: Path, model, optimizer, state: dict | None) -> None:
         # resumes the bias correction from its iteration count
         step = steps.get(name, float(loaded.get("iteration", 0)))
         optimizer.load_param_state(p, {**moments, "step": torch.tensor(step)})
+
+
+def save_model_checkpoint(save_dir: str | Path, iteration: int, model) -> Path:
+    """The model alone as a torch_dist checkpoint ``save_dir/iter_N`` + tracker, as Megatron-LM lays it out (what
+    ``--load`` with ``--finetune`` / ``--no-load-optim`` reads; ``load_checkpoint`` gives it as a run's initial
+    weights). Collective; the folder appears only once complete."""
+    out = iteration_dir(save_dir, iteration)
+    main = parallel.is_main_rank()
+    tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
+    error = None
+    try:
+        _write_sharded({"model": unwrap(model).sharded_state_dict(), "iteration": iteration,
+                        "checkpoint_version": 3.0}, tmp)
+    except (Exception, CheckpointException) as e:  # every rank still reaches the gather below
+        error = f"{type(e).__name__}: {e}"
+    errors = parallel.all_gather_object(error)
+    error = None
+    if main:
+        try:
+            _raise_any(errors, f"writing {out}")
+            replace_dir(tmp, out)
+            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _raise_any(parallel.all_gather_object(error), f"saving {out}")
+    return out
+
+
+def load_model_checkpoint(load_dir: str | Path, model) -> int:
+    """The model's weights from the latest torch_dist checkpoint in ``load_dir`` (any TP size, any writer); returns
+    its iteration."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{load_dir}: no {TRACKER}, no checkpoint")
+    folder = iteration_dir(load_dir, iteration)
+    loaded = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()}, str(folder))
+    unwrap(model).load_state_dict(loaded["model"])
+    return iteration

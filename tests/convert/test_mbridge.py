@@ -39,3 +39,21 @@ def test_hf_to_torch_dist_to_tp2_to_hf_is_bitwise(tiny_hf, tmp_path):
         assert set(got) == set(want), name
         for n in want:
             assert torch.equal(got[n], want[n]), (name, n)
+
+
+def test_the_tool_converts_hf_to_torch_dist_and_back(tiny_hf, tmp_path):
+    import subprocess
+    import sys
+
+    tool = Path(__file__).parents[2] / "tools" / "convert_checkpoint.py"
+    hf_dir = tiny_hf["qwen3"]
+    run = lambda *a: subprocess.run([sys.executable, str(tool), *map(str, a)], capture_output=True, text=True,
+                                    timeout=600)
+    r = run("hf-to-torch-dist", "--load", hf_dir, "--save", tmp_path / "ckpt")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ckpt" / "iter_0000000" / "metadata.json").exists()
+    r = run("torch-dist-to-hf", "--load", tmp_path / "ckpt", "--hf-source", hf_dir, "--save", tmp_path / "hf",
+            "--dtype", "fp32")
+    assert r.returncode == 0, r.stderr
+    want, got = _tensors(hf_dir), _tensors(tmp_path / "hf")
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)

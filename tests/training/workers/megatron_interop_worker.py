@@ -73,6 +73,7 @@ def main(hf_dir: str, out: str) -> None:
     from megatron.core import dist_checkpointing
 
     from megamu import parallel
+    from megamu.algo import ALGORITHM_PRESETS
     from megamu.model import ModelArch, build_model
     from megamu.training import OptimizerConfig, build_optimizer, load_checkpoint, save_checkpoint, train_step
     from tests.training.helpers import make_samples, tiny_model
@@ -81,7 +82,7 @@ def main(hf_dir: str, out: str) -> None:
     parallel.init_distributed(tensor_model_parallel_size=2)
     out = Path(out)
     arch = ModelArch.from_hf(hf_dir)
-    mu = __import__("megamu.algo", fromlist=["ALGORITHM_PRESETS"]).ALGORITHM_PRESETS["mu-grpo"]
+    mu = ALGORITHM_PRESETS["mu-grpo"]
 
     # 1. plain megatron-core writes a checkpoint as Megatron-LM does (its top-level names, its layout)
     plain = plain_gpt(hf_dir, seed=11)

@@ -16,6 +16,10 @@ CORE = [
     "psutil>=5.9",
     "numpy>=1.26",
     "packaging",
+    # HF <-> megatron through mbridge (megamu.convert.bridge); pinned to the minor release whose private name maps
+    # megamu extends for the CPU local spec. einops: imported by mbridge's model registry, not declared by it.
+    "mbridge>=0.15.1,<0.16",
+    "einops>=0.8",
 ]
 
 EXTRAS = {

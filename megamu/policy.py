@@ -84,12 +84,13 @@ class Policy:
 
     def load_latest(self) -> dict | None:
         """Load the latest checkpoint under load_dir (returns its ``extra``), else the initial HF weights (None).
+        A checkpoint without megamu's run state (Megatron-LM's) gives the initial weights: a new run starts (None).
 
         After building the optimiser: the bf16 optimiser's fp32 main weights are refreshed from the loaded model."""
         if Path(self.cfg.load_dir).exists():
             extra = load_checkpoint(self.cfg.load_dir, self.model, self.arch, self.optimizer)
             if extra is not None:
-                return extra
+                return extra if extra.get("run_state", True) else None
         load_hf_into_model(self.model, self.arch, self.hf_source)
         return None
 

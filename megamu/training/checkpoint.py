@@ -1,18 +1,25 @@
-"""Training checkpoints: model + optimiser + RNG + the caller's position, TP-reshardable, written atomically.
+"""Training checkpoints in megatron-core's ``dist_checkpointing`` format (``torch_dist``, what Megatron-LM writes).
 
-Layout (Megatron's names for the directory and the pointer file)::
+Layout (Megatron-LM's)::
 
-    save_dir/latest_checkpointed_iteration.txt     "12"
-    save_dir/iter_0000012/model/                   mcore folder (canonical full tensors, megamu_arch.json)
-    save_dir/iter_0000012/optimizer/               "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step", same layout
-                                                   (+ "<param>.main_param": fp32 master weights of a bf16 model)
-    save_dir/iter_0000012/state.json               iteration, optimiser scalars, parallel sizes, caller's ``extra``
-    save_dir/iter_0000012/rng.json                 python / numpy / torch (/ CUDA) RNG states of every global rank
+    save_dir/latest_checkpointed_iteration.txt   "12"
+    save_dir/iter_0000012/                       a torch_dist checkpoint: metadata.json, .metadata, common.pt,
+                                                 __<rank>_<i>.distcp (each rank writes its own shards)
+    save_dir/iter_0000012/megamu_state.json      megamu's run state: update count, the caller's ``extra`` (stage,
+                                                 rollout cursor, ...), every rank's RNG, the architecture
 
-Every tensor is stored whole (gathered over TP), so a checkpoint loads at any TP size. All ranks take part in the
-gathers and each writes the tensors ``writer_of`` assigns it (``model-rank0000r-*.safetensors``) into one temp
-folder; global rank 0 adds the indexes and metadata, renames the folder into place, replaces the pointer atomically
-and prunes old checkpoints (``prune_checkpoints``).
+Inside the torch_dist checkpoint the model's tensors carry megatron-core's own keys (``model.sharded_state_dict()``,
+the same whichever layer spec wrote them) and the Adam moments Megatron's optimiser keys,
+``optimizer.state.exp_avg.<param key>`` (+ ``exp_avg_sq``, and ``main_param`` for a bf16 model's fp32 master
+weights). ``dist_checkpointing.load`` reshards, so a checkpoint loads at any TP or DP size; a checkpoint with no
+``megamu_state.json`` (written by Megatron-LM or plain megatron-core code) gives its weights (and moments when it has
+them) and no run state. Folders in megamu's previous layout (``megamu.training.checkpoint_legacy``) still load.
+
+CPU: megatron-core 0.16.1's stock save refuses a CPU-only torch: ``FileSystemWriterAsync.preload_tensors``
+(strategies/filesystem_async.py:230) calls ``torch.cuda.synchronize()``, and ``save_state_dict_async_finalize``
+(strategies/state_dict_saver.py:252) and the async-save machinery (strategies/async_utils.py:165, 212, 488, 604) use
+``torch.cuda.current_device()``. ``SyncTorchDistSave`` writes the same format through PyTorch's synchronous
+``FileSystemWriter`` with megatron's own planner and key translation; on CUDA the stock strategy is used.
 """
 
 from __future__ import annotations
@@ -21,25 +28,24 @@ import base64
 import json
 import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from megamu import parallel
 from megamu.atomic import atomic_write_text, remove_dir
-from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, write_mcore_meta
-from megamu.convert.io import SafetensorsDir, make_temp_dir, replace_dir, write_index, write_shards
-from megamu.convert.tp import gather_tensor, shard_tensor
+from megamu.convert.io import make_temp_dir, replace_dir
 from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
-from megamu.model.spec import canonical_param_name
 
 TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT = "megamu-checkpoint-1"
-OPT_KEYS = ("exp_avg", "exp_avg_sq", "step")
+RUN_STATE = "megamu_state.json"
+FORMAT = "megamu-run-state-2"
+MOMENTS = ("exp_avg", "exp_avg_sq", "main_param")  # main_param: fp32 master weights of a bf16 model (GPU)
+OPT_PREFIX = "optimizer.state"  # megatron-core's prefix for per-parameter state (optim_state_to_sharding_state)
 
 
 class CheckpointError(RuntimeError):
@@ -50,37 +56,68 @@ def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
 
 
-def _named_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    for name, p in unwrap(model).named_parameters():
-        yield canonical_param_name(name), p
+def _sync_save_strategy():
+    """A torch_dist save strategy that never touches CUDA (see the module docstring for why it exists)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
+            # the same translation and planner as the stock async_save, then PyTorch's synchronous writer, whose
+            # collectives run on the default (gloo) group with CPU tensors
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            dcp.save(mcore_to_pyt_state_dict(flat, False),
+                     storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
 
 
-def _full_optimizer_states(model, arch: ModelArch, optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, p in _named_params(model):
-        state = optimizer.param_state(p)  # same presence on every rank: all params step together
-        if state is None:
-            continue
-        for key in ("exp_avg", "exp_avg_sq", "main_param"):  # main_param: fp32 master weights of a bf16 model
-            if key in state:
-                yield f"{name}.{key}", gather_tensor(name, state[key], arch)
-        yield f"{name}.step", torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+def save_strategy():
+    """The stock strategy (async-capable) on CUDA, the synchronous CPU-safe one otherwise; both write torch_dist."""
+    return None if parallel.device().is_cuda else _sync_save_strategy()
 
 
-def writer_of(sizes: list[tuple[str, int]], world: int) -> dict[str, int]:
-    """Which global rank writes each parameter (its weight and its optimiser state): the next largest tensor goes to
-    the rank with the fewest elements so far. Every rank computes the same map from the same (name, size) list."""
-    load = [0] * world
-    owner = {}
-    for name, size in sorted(sizes, key=lambda x: -x[1]):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owner[name] = rank
-        load[rank] += size
-    return owner
+def _param_tensors(model_sd: dict) -> dict[int, tuple[str, object]]:
+    """id(parameter) -> (its name in ``model_sd``, its ShardedTensor, or ShardedTensorFactory: a SwiGLU fc1 is
+    stored as two tensors, gate and up, so that TP resharding splits each half). ``sharded_state_dict`` keeps the
+    parameters themselves as ``data``; the name tells layers apart, the stored key does not (layers are stacked: one
+    key, an offset per layer)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return {id(v.data): (k, v) for k, v in model_sd.items() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
 
 
-def _owned(items: Iterator[tuple[str, torch.Tensor]], owner: dict[str, int], rank: int):
-    """The items this rank writes; iterating it still runs every gather, so the other ranks' collectives complete."""
-    return ((n, t) for n, t in items if owner[n.rsplit(".", 1)[0] if n not in owner else n] == rank)
+def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> tuple[dict, dict]:
+    """({name: ShardedTensor} of every parameter's moments, {name: step}); sharded like the parameter itself.
+
+    ``templates``: empty tensors of the right shapes to load into, else the optimiser's current state (every rank
+    asks for every parameter: on GPU ``param_state`` is a data-parallel collective)."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    by_id = _param_tensors(model_sd)
+    out, steps = {}, {}
+    for p in unwrap(model).parameters():
+        name, sh = by_id[id(p)]
+        if templates:
+            dtype = torch.float32 if parallel.device().is_cuda else p.dtype  # GPU moments are fp32 (megatron Adam)
+            keys = MOMENTS if p.dtype != torch.float32 and parallel.device().is_cuda else MOMENTS[:2]
+            state = {k: torch.empty(p.shape, dtype=dtype, device=p.device) for k in keys}
+        else:
+            state = optimizer.param_state(p)
+            if state is None:  # before the first update: no moments anywhere (all parameters step together)
+                continue
+            steps[name] = float(state["step"])
+        for k in MOMENTS:
+            if k in state:  # stored as "optimizer.state.<k>.<param key>", Megatron's optimiser keys
+                out[f"{k}.{name}"] = make_sharded_optimizer_tensor(sh, state[k], f"{OPT_PREFIX}.{k}")
+    return out, steps
 
 
 def _rng_state() -> dict:
@@ -107,10 +144,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(as_tensor(state["cuda"]))
 
 
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=1) + "\n")
-
-
 def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
@@ -121,60 +154,62 @@ def _raise_any(errors: list, what: str) -> None:
         raise CheckpointError(f"{what} failed: " + "; ".join(failed))
 
 
+def _write_sharded(sharded: dict, folder: Path) -> None:
+    """``dist_checkpointing.save`` with the device's strategy (a seam for tests that simulate a failed write)."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(sharded, str(folder), sharded_strategy=save_strategy())
+
+
 def save_checkpoint(
     save_dir: str | Path, iteration: int, model, arch: ModelArch, optimizer, *, extra: dict,
     hf_source_dir: str | Path | None = None, keep: int = 2,
 ) -> Path:
     """Write ``save_dir/iter_{iteration:07d}`` and point the tracker at it; returns the folder (on every rank).
 
-    ``extra`` (JSON-serialisable: stage, update offset, ...) comes back from ``load_checkpoint``. With
-    ``hf_source_dir`` (the HF folder the run started from) the model folder is a complete mcore folder that
-    ``megamu.convert`` can export to HF on its own. ``keep``: how many checkpoints to leave (newest first, the
-    new one always among them; 0 keeps all), see ``prune_checkpoints``.
+    ``extra`` (JSON-serialisable: stage, update offset, ...) comes back from ``load_checkpoint``. ``keep``: how many
+    checkpoints to leave (newest first, the new one always among them; 0 keeps all), see ``prune_checkpoints``.
+    ``hf_source_dir``: recorded in the run state (where the run's tokenizer and config came from).
 
-    Every rank writes the full (TP-gathered) tensors of the parameters ``writer_of`` gives it, as its own shard
-    files in one temp folder beside the target (``save_dir`` must be on a filesystem every rank sees, as for
-    Megatron); rank 0 then writes the index and metadata, renames the folder into place and moves the tracker.
+    Every rank writes its own shards into one temp folder beside the target (``save_dir`` must be on a filesystem
+    every rank sees, as for Megatron); rank 0 then adds the run state, renames the folder into place and moves the
+    tracker, so a reader never sees a half-written checkpoint.
     """
     json.dumps(extra)  # fail before any collective, not halfway through a write
     if keep < 0:
         raise ConfigError("keep_checkpoints", f"must be >= 0 (0 keeps all), got {keep}")
     out = iteration_dir(save_dir, iteration)
-    rank, world = _world()
+    _, world = _world()
     main = parallel.is_main_rank()
     rngs = parallel.all_gather_object(_rng_state())
     tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
-    owner = writer_of([(n, p.numel()) for n, p in _named_params(model)], world)
-    error, parts = None, {}
-    for part, items in (("model", ((n, gather_tensor(n, p, arch)) for n, p in _named_params(model))),
-                        ("optimizer", _full_optimizer_states(model, arch, optimizer))):
-        if error is None:
-            try:
-                (tmp / part).mkdir(exist_ok=True)
-                parts[part] = write_shards(_owned(items, owner, rank), tmp / part, prefix=f"{part}-rank{rank:05d}")
-            except OSError as e:  # disk full on one rank: it still takes part in the remaining gathers below
-                error = f"{type(e).__name__}: {e}"
-        for _ in items:
-            pass
-    written = parallel.all_gather_object((error, parts))
+    model_sd = unwrap(model).sharded_state_dict()
+    opt_sd, steps = _optimizer_sharded(model, model_sd, optimizer, templates=False)
+    sharded = {"model": model_sd, "optimizer": opt_sd, "optimizer_steps": steps, "iteration": iteration,
+               "checkpoint_version": 3.0}  # Megatron-LM's top-level names and checkpoint version
+    error = None
+    try:
+        _write_sharded(sharded, tmp)
+    except (Exception, CheckpointException) as e:  # disk full on one rank: every rank still reaches the gather
+        error = f"{type(e).__name__}: {e}"
+    errors = parallel.all_gather_object(error)
     error = None
     if main:
         try:
-            _raise_any([e for e, _ in written], f"writing checkpoint {out}")
-            for part, fmt in (("model", "megamu-mcore"), ("optimizer", "megamu-optimizer")):
-                weight_map = {k: v for _, p in written for k, v in p[part][0].items()}
-                write_index(tmp / part, weight_map, sum(p[part][1] for _, p in written), {"format": fmt})
-            write_mcore_meta(tmp / "model", arch, hf_source_dir)
-            _write_json(tmp / "rng.json", rngs)
-            _write_json(tmp / "state.json", {
+            _raise_any(errors, f"writing checkpoint {out}")
+            atomic_write_text(tmp / RUN_STATE, json.dumps({
                 "format": FORMAT,
                 "iteration": iteration,
                 "optimizer": optimizer.state_dict(),
+                "has_optimizer_state": bool(opt_sd),
                 "tensor_model_parallel_size": parallel.tp_size(),
                 "data_parallel_size": parallel.dp_size(),
                 "world_size": world,
+                "arch": arch.to_dict(),
+                "hf_source_dir": str(hf_source_dir) if hf_source_dir is not None else None,
                 "extra": extra,
-            })
+                "rng": rngs,
+            }, indent=1) + "\n")
             replace_dir(tmp, out)
             atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
             prune_checkpoints(save_dir, keep)
@@ -228,54 +263,128 @@ def latest_iteration(load_dir: str | Path) -> int | None:
 
 
 def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> dict | None:
-    """Restore model, optimiser and RNG from the latest checkpoint in ``load_dir`` (written at any TP size).
+    """Restore model, optimiser and RNG from the latest checkpoint in ``load_dir`` (written at any TP or DP size).
 
-    Returns the ``extra`` dict given to ``save_checkpoint`` plus "iteration"; None when there is no checkpoint.
+    Returns the ``extra`` dict given to ``save_checkpoint`` plus "iteration"; None when there is no checkpoint. A
+    checkpoint without megamu's run state (Megatron-LM's) loads its weights, and its Adam moments when it has them,
+    and returns ``{"iteration": N, "run_state": False}``: the caller starts a new run from those weights.
     """
     iteration = latest_iteration(load_dir)
     if iteration is None:
         return None
     folder = iteration_dir(load_dir, iteration)
-    state_file = folder / "state.json"
+    if not (folder / "metadata.json").exists():
+        from megamu.training.checkpoint_legacy import LEGACY_STATE, load_legacy_checkpoint
+
+        if (folder / LEGACY_STATE).exists():
+            extra = load_legacy_checkpoint(folder, model, arch, optimizer)
+            if parallel.is_main_rank():
+                print(f"[megamu] {folder}: megamu's previous checkpoint layout, loaded and converted in memory; "
+                      "checkpoints from now on are written in megatron-core's torch_dist format", flush=True)
+            return extra
+        raise CheckpointError(f"{folder}: neither a torch_dist checkpoint (no metadata.json) nor megamu's previous "
+                              "layout")
+    state = _read_run_state(folder)
+    if state is not None and state.get("arch") and ModelArch.from_dict(state["arch"]) != arch:
+        raise CheckpointError(f"{folder / RUN_STATE}: the checkpoint's architecture {state['arch']} differs from "
+                              f"the model's {arch}")
     try:
-        state = json.loads(state_file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{state_file}: cannot read checkpoint state ({e})") from e
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{state_file}: format {state.get('format')!r}, expected {FORMAT!r}")
-    saved_arch = read_arch(folder / "model")
-    if saved_arch != arch:
-        raise CheckpointError(f"{folder / 'model' / ARCH_FILE}: the checkpoint's architecture {saved_arch} differs "
-                              f"from the model's {arch}")
-    for part, load in (("model", load_mcore_into_model), ("optimizer", _load_optimizer)):
-        try:
-            load(model, arch, folder / part, *([optimizer] if part == "optimizer" else []))
-        except Exception as e:  # safetensors raises its own error type on truncated files
-            raise CheckpointError(f"{folder / part}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from e
+        _load_sharded(folder, model, optimizer, state)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # truncated files, missing keys (CheckpointException is a
+        # BaseException: torch DCP's way to carry every rank's failure)
+        raise CheckpointError(f"{folder}: corrupt, incomplete or incompatible checkpoint "
+                              f"({type(e).__name__}: {e})") from e
+    if state is None:
+        parallel.barrier()
+        return {"iteration": iteration, "run_state": False}
     optimizer.load_state_dict(state["optimizer"])
-    rng_file = folder / "rng.json"
-    rngs = json.loads(rng_file.read_text())
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if len(rngs) == (dist.get_world_size() if dist.is_initialized() else 1):
+    rngs = state["rng"]
+    rank, world = _world()
+    if len(rngs) == world:
         _set_rng_state(rngs[rank])  # a different world size cannot resume the same random streams
     parallel.barrier()
     return {**state["extra"], "iteration": state["iteration"]}
 
 
-def _load_optimizer(model, arch: ModelArch, folder: Path, optimizer) -> None:
-    reader = SafetensorsDir(folder)
-    names = set(reader.keys())
-    rank, size = parallel.tp_rank(), parallel.tp_size()
-    for name, p in _named_params(model):
-        keys = [f"{name}.{k}" for k in OPT_KEYS]
-        present = [k in names for k in keys]
-        if not any(present):
-            continue  # saved before the first update
-        if not all(present):
-            have = [k for k in keys if k in names]
-            raise KeyError(f"optimizer state of {name} is incomplete in {folder}: has only {have}")
-        sharded = [k for k in ("exp_avg", "exp_avg_sq", "main_param") if f"{name}.{k}" in names]
-        optimizer.load_param_state(p, {
-            **{k: shard_tensor(name, reader.get(f"{name}.{k}"), arch, rank, size) for k in sharded},
-            "step": reader.get(f"{name}.step"),
-        })
+def _read_run_state(folder: Path) -> dict | None:
+    path = folder / RUN_STATE
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read the run state ({e})") from e
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {state.get('format')!r}, expected {FORMAT!r}")
+    return state
+
+
+def _load_sharded(folder: Path, model, optimizer, state: dict | None) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_sd = unwrap(model).sharded_state_dict()
+    names = {i: name for i, (name, _) in _param_tensors(model_sd).items()}  # before load, which rewrites model_sd
+    sharded = {"model": model_sd}
+    if state is None:  # a foreign checkpoint: its moments are loaded when it has them, under Megatron's keys
+        saved = dist_checkpointing.load_tensors_metadata(str(folder))
+        with_moments = any(k.startswith(f"{OPT_PREFIX}.exp_avg.") for k in saved)
+    else:
+        with_moments = state["has_optimizer_state"]
+    if with_moments:
+        sharded["optimizer"], _ = _optimizer_sharded(model, model_sd, optimizer, templates=True)
+    loaded = dist_checkpointing.load(sharded, str(folder))
+    unwrap(model).load_state_dict(loaded["model"])
+    if not with_moments:
+        return
+    steps = loaded.get("optimizer_steps", {})
+    for p in unwrap(model).parameters():
+        name = names[id(p)]
+        moments = {k: loaded["optimizer"][f"{k}.{name}"] for k in MOMENTS if f"{k}.{name}" in loaded["optimizer"]}
+        # Megatron-LM keeps Adam's step in its param groups; a foreign checkpoint without per-parameter steps
+        # resumes the bias correction from its iteration count
+        step = steps.get(name, float(loaded.get("iteration", 0)))
+        optimizer.load_param_state(p, {**moments, "step": torch.tensor(step)})
+
+
+def save_model_checkpoint(save_dir: str | Path, iteration: int, model) -> Path:
+    """The model alone as a torch_dist checkpoint ``save_dir/iter_N`` + tracker, as Megatron-LM lays it out (what
+    ``--load`` with ``--finetune`` / ``--no-load-optim`` reads; ``load_checkpoint`` gives it as a run's initial
+    weights). Collective; the folder appears only once complete."""
+    out = iteration_dir(save_dir, iteration)
+    main = parallel.is_main_rank()
+    tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
+    error = None
+    try:
+        _write_sharded({"model": unwrap(model).sharded_state_dict(), "iteration": iteration,
+                        "checkpoint_version": 3.0}, tmp)
+    except (Exception, CheckpointException) as e:  # every rank still reaches the gather below
+        error = f"{type(e).__name__}: {e}"
+    errors = parallel.all_gather_object(error)
+    error = None
+    if main:
+        try:
+            _raise_any(errors, f"writing {out}")
+            replace_dir(tmp, out)
+            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _raise_any(parallel.all_gather_object(error), f"saving {out}")
+    return out
+
+
+def load_model_checkpoint(load_dir: str | Path, model) -> int:
+    """The model's weights from the latest torch_dist checkpoint in ``load_dir`` (any TP size, any writer); returns
+    its iteration."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{load_dir}: no {TRACKER}, no checkpoint")
+    folder = iteration_dir(load_dir, iteration)
+    loaded = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()}, str(folder))
+    unwrap(model).load_state_dict(loaded["model"])
+    return iteration

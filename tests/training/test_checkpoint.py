@@ -38,10 +38,12 @@ def run(distributed, tmp_path_factory):
     np.random.seed(7)
     path = save_checkpoint(root / "save", 1, model, arch, opt, extra={"stage": 2, "update_offset": 9},
                            hf_source_dir=root / "hf")
+    saved_embedding = model.embedding.word_embeddings.weight.detach().clone()
     rng_after_save = (torch.rand(3), random.random(), np.random.rand())
     second = train_step(model, opt, samples, ALGO, micro_batch_size=4)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(root=root, arch=arch, samples=samples, path=path, rng=rng_after_save, second=second, params=params)
+    return dict(root=root, arch=arch, samples=samples, path=path, rng=rng_after_save, second=second, params=params,
+                saved_embedding=saved_embedding)
 
 
 def fresh(arch):
@@ -55,9 +57,27 @@ def test_layout_is_atomic_and_megatron_named(run):
     assert run["path"] == save / "iter_0000001"
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
-    state = json.loads((run["path"] / "state.json").read_text())
+    # megatron-core's torch_dist layout, as Megatron-LM writes it, with megamu's run state beside it
+    assert json.loads((run["path"] / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert (run["path"] / "common.pt").exists() and list(run["path"].glob("__0_*.distcp"))
+    state = json.loads((run["path"] / "megamu_state.json").read_text())
     assert state["extra"] == {"stage": 2, "update_offset": 9} and state["optimizer"]["iteration"] == 1
-    assert (run["path"] / "model" / "hf_meta" / "config.json").exists()  # a complete mcore folder
+    assert state["has_optimizer_state"] and state["tensor_model_parallel_size"] == 1
+
+
+def test_tensors_on_disk_are_the_models_and_the_optimizers(run):
+    """Read back with megatron-core's own metadata reader and torch's DCP loader, not megamu's code."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(str(run["path"]))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys  # layers stacked on a leading axis
+    assert "optimizer.state.exp_avg.embedding.word_embeddings.weight" in keys
+    assert "optimizer.state.exp_avg_sq.output_layer.weight" in keys
+    meta = dcp.FileSystemReader(str(run["path"])).read_metadata()
+    emb = torch.empty(meta.state_dict_metadata["embedding.word_embeddings.weight"].size)
+    dcp.load({"embedding.word_embeddings.weight": emb}, checkpoint_id=str(run["path"]), no_dist=True)
+    assert torch.equal(emb, run["saved_embedding"])
 
 
 def test_resume_gives_bitwise_identical_next_update(run):
@@ -80,12 +100,13 @@ def test_no_checkpoint_and_corrupt_checkpoints(run, tmp_path):
 
     broken = tmp_path / "broken"
     shutil.copytree(run["root"] / "save", broken)
-    shard = next((broken / "iter_0000001" / "optimizer").glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[:100])
+    shards = sorted((broken / "iter_0000001").glob("*.distcp"))
+    for shard in shards:
+        shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="iter_0000001"):
         load_checkpoint(broken, model, run["arch"], opt)
-    (broken / "iter_0000001" / "state.json").unlink()
-    with pytest.raises(CheckpointError, match="state.json"):
+    (broken / "iter_0000001" / "megamu_state.json").write_text("{trunc")
+    with pytest.raises(CheckpointError, match="megamu_state.json"):
         load_checkpoint(broken, model, run["arch"], opt)
     (broken / "latest_checkpointed_iteration.txt").write_text("oops")
     with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt.*'oops'"):
@@ -93,7 +114,7 @@ def test_no_checkpoint_and_corrupt_checkpoints(run, tmp_path):
 
 
 def test_writer_assignment_is_balanced_and_complete():
-    from megamu.training.checkpoint import writer_of
+    from megamu.training.checkpoint_legacy import writer_of
 
     sizes = [("a", 100), ("b", 60), ("c", 50), ("d", 10), ("e", 1)]
     owner = writer_of(sizes, 2)
@@ -134,7 +155,7 @@ def test_failed_write_leaves_previous_checkpoint_untouched(run, tmp_path, monkey
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "write_shards", disk_full)
+    monkeypatch.setattr(ckpt, "_write_sharded", disk_full)
     with pytest.raises(CheckpointError, match="rank 0: OSError.*No space left"):
         save_checkpoint(save, 2, model, run["arch"], opt, extra={})
     assert sorted(p.name for p in save.iterdir()) == before  # no temp folder, tracker still at 1
@@ -172,3 +193,43 @@ def test_iter_exports_fall_under_retention(tmp_path):
     assert sorted(d.name for d in deleted) == ["iter_0000200", "iter_0000400"]  # by update count, oldest first
     assert sorted(d.name for d in (tmp_path / "hf").iterdir()) == ["final", "iter_0000600", "iter_0001000", "stage_3"]
     assert run.prune_iter_exports(keep=0) == []  # 0 keeps all
+
+
+def test_previous_layout_loads_once_with_a_message(run, tmp_path, capsys):
+    from megamu.training.checkpoint_legacy import save_legacy_checkpoint
+
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(run["root"] / "save", model, run["arch"], opt)["iteration"] == 1
+    old = tmp_path / "old"
+    save_legacy_checkpoint(old, 1, model, run["arch"], opt, extra={"stage": 2}, hf_source_dir=run["root"] / "hf")
+    assert (old / "iter_0000001" / "state.json").exists()
+    model2, opt2 = fresh(run["arch"])
+    assert load_checkpoint(old, model2, run["arch"], opt2) == {"stage": 2, "iteration": 1}
+    assert "previous checkpoint layout" in capsys.readouterr().out
+    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
+        assert torch.equal(a, b), n
+        assert all(torch.equal(opt.param_state(a)[k], opt2.param_state(b)[k]) for k in ("exp_avg", "exp_avg_sq")), n
+    # the next save is in the new format, beside the old folder
+    save_checkpoint(old, 2, model2, run["arch"], opt2, extra={"stage": 2})
+    assert (old / "iter_0000002" / "metadata.json").exists()
+
+
+def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, tmp_path):
+    """What Megatron-LM writes has no megamu_state.json: its weights (and Adam moments) load, no run state."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    foreign = tmp_path / "megatron"
+    shutil.copytree(run["root"] / "save", foreign)
+    (foreign / "iter_0000001" / "megamu_state.json").unlink()
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(foreign, model, run["arch"], opt) == {"iteration": 1, "run_state": False}
+    torch.manual_seed(4)
+    policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
+                                 save_dir=tmp_path / "save", load_dir=foreign, offload_dir=tmp_path / "offload"))
+    assert policy.load_latest() is None  # a new run: stage 0, update 0
+    for (n, a), (_, b) in zip(model.named_parameters(), policy.model.named_parameters()):
+        assert torch.equal(a, b), n  # the checkpoint's weights, not the HF folder's
+        assert torch.equal(opt.param_state(a)["exp_avg"], policy.optimizer.param_state(b)["exp_avg"]), n

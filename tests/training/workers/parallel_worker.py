@@ -106,9 +106,9 @@ def main(hf_dir: str, ckpt_dir: str) -> None:
     log(f"TP=2 vs TP=1 after one update: max rel param diff {diff:.2e}")
     lp_tp2 = compute_logprobs(model2, samples, micro_batch_size=4)
     save_checkpoint(ckpt_dir, 1, model2, arch, opt2, extra={"stage": 1, "update_offset": 1})
-    for part in ("model", "optimizer"):  # each rank wrote its own share of the tensors
-        files = {f.name.split("-")[1] for f in (Path(ckpt_dir) / "iter_0000001" / part).glob("*.safetensors")}
-        assert files == {"rank00000", "rank00001"}, (part, files)
+    # each TP rank wrote its own shards (torch_dist names them __<rank>_<i>.distcp)
+    files = {f.name.split("_")[2] for f in (Path(ckpt_dir) / "iter_0000001").glob("__*_*.distcp")}
+    assert files == {"0", "1"}, files
     train_step(model2, opt2, samples, MU, micro_batch_size=3)
     p2_second = full(model2, arch)
 

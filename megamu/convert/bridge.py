@@ -1,0 +1,113 @@
+"""HF <-> megatron through mbridge (PyPI ``mbridge``, the converter verl and slime use), and HF <-> torch_dist
+checkpoints that Megatron-LM loads.
+
+mbridge maps a live megatron-core model's parameters to HF tensors and back, TP and EP aware, for every family it
+registers (``supported_families()``: llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, deepseek_v3, glm4_moe, gemma3
+and more in 0.15.1). What megamu adds, and why:
+
+- Layer-norm names. mbridge knows the norms by their Transformer Engine names (``linear_qkv.layer_norm_weight``,
+  ``linear_fc1.layer_norm_weight``): TE fuses each norm into the next linear. The CPU (local) spec keeps them as
+  modules, ``input_layernorm`` and ``pre_mlp_layernorm``, which mbridge 0.15.1 rejects ("Unsupported parameter
+  name", core/bridge.py ``_weight_name_mapping_other`` / ``_weight_name_mapping_mlp``). Two name entries fix that.
+- Vocab padding. megamu pads the vocab to a multiple of 128 * TP (Megatron-LM's rule); mbridge pads only when its
+  own model provider builds the model, so the bridge is told the padded size here.
+- dtype. mbridge casts HF tensors to its ``dtype`` (bfloat16 unless told): the model's own dtype is passed.
+
+megamu's own per-family mapping (megamu.convert.mapping) stays for the model-free paths: the offline mcore folders
+of ``tools/convert_checkpoint.py hf-to-mcore`` and the old checkpoint layout, which stream tensor by tensor without
+building a model (mbridge converts only parameters of a built model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megamu.model import ModelArch, unwrap
+from megamu.model.config import padded_vocab_size
+
+_LOCAL_SPEC_NORMS = {  # local-spec parameter -> HF tensor (mbridge has these under their TE names only)
+    "other": {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]},
+    # "pre_mlp_layernorm" contains "mlp": mbridge looks it up among the MLP names
+    "mlp": {"pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]},
+}
+
+
+def supported_families() -> list[str]:
+    from mbridge import AutoBridge
+
+    return AutoBridge.list_supported_models()
+
+
+def bridge_for(model, arch: ModelArch, hf_dir: str | Path):
+    """An mbridge Bridge for ``model`` (built by megamu.model.build_model at the current TP size) and the HF folder
+    whose config describes it. Collective-free; call after megamu.parallel.init_distributed."""
+    from mbridge import AutoBridge
+    from megatron.core import parallel_state
+
+    dtype = next(unwrap(model).parameters()).dtype
+    bridge = AutoBridge.from_pretrained(str(hf_dir), dtype=dtype)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    bridge.make_vocab_size_divisible_by = padded_vocab_size(arch.vocab_size, tp)  # any non-None value enables it
+    bridge.vocab_size, bridge.padded_vocab_size = arch.vocab_size, padded_vocab_size(arch.vocab_size, tp)
+    names = [n for n, _ in unwrap(model).named_parameters()]
+    if any(n.endswith("input_layernorm.weight") for n in names):  # the local spec
+        bridge._OTHER_MAPPING = {**bridge._OTHER_MAPPING, **_LOCAL_SPEC_NORMS["other"]}
+        bridge._MLP_MAPPING = {**bridge._MLP_MAPPING, **_LOCAL_SPEC_NORMS["mlp"]}
+    return bridge
+
+
+@torch.no_grad()
+def load_hf_via_mbridge(model, arch: ModelArch, hf_dir: str | Path) -> None:
+    """HF weights into the live (TP-sharded) model through mbridge; collective over the TP group (TP rank 0 reads
+    each tensor, one at a time, and scatters the slices)."""
+    bridge_for(model, arch, hf_dir).load_weights([unwrap(model)], str(hf_dir), memory_efficient=True)
+
+
+def hf_tensors_via_mbridge(model, arch: ModelArch, hf_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of the live model, one at a time, through mbridge; every rank must iterate (each step
+    gathers over TP). Tied embeddings give ``model.embed_tokens.weight`` only, as in the HF folder."""
+    bridge = bridge_for(model, arch, hf_dir)
+    with torch.no_grad():
+        for name, tensor in bridge.export_weights([unwrap(model)]):
+            yield name, tensor.detach()
+
+
+def hf_to_torch_dist(hf_dir: str | Path, save_dir: str | Path, iteration: int = 0) -> Path:
+    """HF folder -> torch_dist checkpoint ``save_dir/iter_N`` (+ tracker) that Megatron-LM and megamu load at any TP
+    size, through mbridge. Builds the model at the current TP size (call megamu.parallel.init_distributed first)."""
+    from megamu.model import build_model
+    from megamu.training.checkpoint import save_model_checkpoint
+
+    arch = ModelArch.from_hf(hf_dir)
+    model = build_model(arch)
+    load_hf_via_mbridge(model, arch, hf_dir)
+    return save_model_checkpoint(save_dir, iteration, model)
+
+
+def torch_dist_to_hf(load_dir: str | Path, hf_source_dir: str | Path, out_dir: str | Path, dtype: str = "bf16",
+                     max_shard_bytes: int | None = None) -> Path:
+    """The latest torch_dist checkpoint in ``load_dir`` (megamu's, Megatron-LM's) -> HF folder, through mbridge.
+    ``hf_source_dir`` gives the config and tokenizer (the model the checkpoint was trained from)."""
+    from megamu import parallel
+    from megamu.convert.checkpoint import _meta_dir, _write_hf
+    from megamu.convert.io import DEFAULT_SHARD_BYTES, atomic_dir
+    from megamu.model import build_model
+    from megamu.training.checkpoint import load_model_checkpoint
+
+    arch = ModelArch.from_hf(_meta_dir(hf_source_dir))
+    # initialised, although every weight is loaded: megatron-core 0.16.1 with perform_initialization=False on CPU
+    # leaves the vocab-parallel weights without their ``tensor_model_parallel`` attribute, by which mbridge decides
+    # what to gather over TP (it then exports one shard of the embedding)
+    model = build_model(arch)
+    load_model_checkpoint(load_dir, model)
+    tensors = hf_tensors_via_mbridge(model, arch, _meta_dir(hf_source_dir))
+    if parallel.is_main_rank():
+        with atomic_dir(out_dir) as tmp:
+            _write_hf(tensors, tmp, _meta_dir(hf_source_dir), dtype, max_shard_bytes or DEFAULT_SHARD_BYTES)
+    for _ in tensors:  # other ranks take part in every gather
+        pass
+    parallel.barrier()
+    return Path(out_dir)

@@ -106,7 +106,7 @@ def main() -> None:
             from megamu.engines.sglang.client import SGLangEngine
             from tests.sglang_real.cpu_server import cpu_config
 
-            engine = SGLangEngine(model_dir, cpu_config(args.port, work / "logs", max_concurrency=64))
+            engine = SGLangEngine(model_dir, cpu_config(args.port, work / "logs", server_concurrency=64))
             try:
                 print("sglang (real CPU server):", flush=True)
                 results["sglang"] = measure(engine, prompts, work, args, scorer, tok)

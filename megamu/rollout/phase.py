@@ -137,7 +137,7 @@ def _streamed_shards(engine, shard_requests: dict[int, list[GenerateRequest]], m
     finally:
         stopped.set()
         with lock:
-            for f in futures:
+            for f in list(futures):  # a cancelled future's callback runs here, at once, and leaves the set
                 f.cancel()
 
 

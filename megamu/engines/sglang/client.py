@@ -1,18 +1,23 @@
 """SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints (see notes/sglang.md).
 
-Only the standard library is used on the client side, so nothing of SGLang is imported by the trainer: servers are
-separate processes (sglang_server.py), started here or given as URLs (servers or an sglang-router).
-Requests run in a bounded thread pool; each is retried with exponential backoff on connection errors and 5xx
-(on the next server, when there are several), never on a timeout (a retry would redo a long generation) or a 4xx.
+Nothing of SGLang is imported by the trainer: servers are separate processes (launch.py), started here or given as
+URLs (servers or an sglang-router). /generate requests go through transport.py (asyncio + aiohttp): each server is kept
+at its capacity in running sequences (``max_running_requests`` from its /server_info, or ``server_concurrency``), the
+next request going to the server with the fewest outstanding (dispatch.py); a router gets the sum of its workers'
+capacities and places them itself. The few control calls (health, info, weight syncs) use urllib in a small pool.
+Every request is retried with exponential backoff on connection errors and 5xx (on the next server, when there are
+several), never on a timeout (a retry would redo a long generation) or a 4xx.
 Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
 
 Seeds: every sample is sent with its own ``sampling_seed``, but SGLang honours it only on servers launched with
-``--enable-deterministic-inference`` (elsewhere it is ignored and sampling is random, so a resumed stage draws new
-samples for its missing shards). ``SGLangEngine.deterministic`` says which; pass the flag in ``extra_server_args``.
+``--enable-deterministic-inference`` (slower batch-invariant kernels), which ``SGLangConfig.deterministic`` adds to
+launched servers and requires of given ones. Without it sampling is random, so a resumed stage draws new samples for
+its missing shards. ``SGLangEngine.deterministic`` says which.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -27,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from megamu.engines.sglang.dispatch import DEFAULT_SERVER_CONCURRENCY, Dispatcher, server_capacity
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
@@ -35,6 +41,7 @@ from megamu.engines.sglang.launch import (
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
+from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused
 from megamu.engines.types import (
     GeneratedSample,
     GenerateRequest,
@@ -102,6 +109,15 @@ def parse_sample(result: dict, prompt_id: int, sample_index: int, stop_ids=()) -
     )
 
 
+def _attempt_body(body: dict, attempt: int) -> dict:
+    """The body of retry ``attempt``: fresh request ids, since SGLang answers 400 "Duplicate request ID" while a
+    failed attempt is still known to the server."""
+    if not attempt or "rid" not in body:
+        return body
+    rid = body["rid"]
+    return dict(body, rid=[f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}")
+
+
 def _served_vocab_size(model_path: str | None) -> int | None:
     """vocab_size of the served model's config.json, when that folder is readable from here."""
     try:
@@ -126,6 +142,7 @@ class SGLangEngine:
         self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)
         self._run_id = uuid.uuid4().hex[:8]
         self._pool = None
+        self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (sglang_sync.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
@@ -143,10 +160,20 @@ class SGLangEngine:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
             self._wait_healthy(logs, model_path=str(hf_dir))
+        if cfg.deterministic and self.deterministic is not True:
+            self.shutdown()
+            raise SGLangError("deterministic rollouts were asked for, but the servers at "
+                              f"{', '.join(self.urls)} do not report --enable-deterministic-inference")
         if self.deterministic is False:
-            print("[sglang] servers run without --enable-deterministic-inference: sampling_seed is ignored, so "
-                  "rollouts are not reproducible (a resumed stage draws new samples for its missing shards)")
-        self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
+            print("[sglang] deterministic inference is off (the default; --rollout-deterministic turns it on, at a "
+                  "cost in speed): sampling_seed is ignored, so a resumed stage draws new samples for its missing "
+                  "shards")
+        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._transport = AsyncTransport(headers)
+        self._dispatch = Dispatcher(self.capacities)
+        print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
+              + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
 
     # ---- server lifecycle -------------------------------------------------------------------------------------
     def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
@@ -177,6 +204,33 @@ class SGLangEngine:
                 self.shutdown()
                 raise
         self._read_limits(infos, model_path)
+        workers = [self._router_workers(u) for u in self.urls]
+        self.routers = [u for u, w in zip(self.urls, workers) if w is not None]
+        self.capacities = [self._capacity(info) if w is None else self._router_capacity(w)
+                           for info, w in zip(infos, workers)]
+
+    def _capacity(self, info: dict | None) -> int:
+        """Sequences one server runs at once: the configured override, else what the server reports, else slime's
+        default."""
+        return self.config.server_concurrency or server_capacity(info) or DEFAULT_SERVER_CONCURRENCY
+
+    def _router_capacity(self, workers: list[str]) -> int:
+        """A router gets the sum of its workers' capacities (each asked directly when it answers us)."""
+        def info(url):
+            try:
+                return self._call(url, "/server_info", None, timeout=30.0)
+            except (SGLangError, OSError, http.client.HTTPException, ValueError):
+                return None
+        return sum(self._capacity(info(w)) for w in workers) or self._capacity(None)
+
+    def _router_workers(self, url: str) -> list[str] | None:
+        """The worker URLs behind ``url`` if it is an sglang-router (its /list_workers), else None."""
+        try:
+            out = self._call(url, "/list_workers", None, timeout=30.0)
+        except (SGLangError, OSError, http.client.HTTPException, ValueError):
+            return None  # an SGLang server answers 404
+        urls = out.get("urls") if isinstance(out, dict) else None
+        return [str(u).rstrip("/") for u in urls] if isinstance(urls, list) else None
 
     def _check_server(self, url: str, model_path: str | None) -> dict:
         """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?"""
@@ -225,6 +279,9 @@ class SGLangEngine:
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._finalizer()
@@ -260,13 +317,8 @@ class SGLangEngine:
         retries, timeout = self.config.max_retries, self.config.request_timeout_s
         for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
-            sent = body
-            if attempt and "rid" in body:
-                rid = body["rid"]
-                rid = [f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}"
-                sent = dict(body, rid=rid)
             try:
-                return self._call(url, path, sent, timeout=timeout)
+                return self._call(url, path, _attempt_body(body, attempt), timeout=timeout)
             except SGLangError as e:
                 raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
             except TimeoutError as e:
@@ -280,6 +332,26 @@ class SGLangEngine:
             if attempt == retries:
                 raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
             time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _apost_with_retries(self, urls: list[str], path: str, body: dict, what: str):
+        """``_post_with_retries`` on the event loop: the same attempts, servers, request ids, backoff and errors."""
+        delay = self.config.backoff_s
+        retries, timeout = self.config.max_retries, self.config.request_timeout_s
+        for attempt in range(retries + 1):
+            url = urls[attempt % len(urls)]
+            try:
+                return await self._transport.post(url, path, _attempt_body(body, attempt), timeout=timeout)
+            except HTTPRefused as e:
+                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
+            except TimeoutError as e:
+                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
+            except (ConnectionError, OSError) as e:
+                error = e
+            if attempt == retries:
+                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
+            await asyncio.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
 
@@ -297,7 +369,7 @@ class SGLangEngine:
         """Raise PromptError naming every prompt the servers would refuse or die on; sends nothing."""
         check_prompts(requests, self.vocab_size, self.max_input_len)
 
-    def _generate_one(self, index: int, req: GenerateRequest) -> list[GeneratedSample]:
+    async def _generate_one(self, req: GenerateRequest) -> list[GeneratedSample]:
         sp = req.sampling
         what = f"/generate for {describe_request(req)}"
         rid = f"megamu-{self._run_id}-{req.prompt_id}-{uuid.uuid4().hex[:6]}"
@@ -307,8 +379,13 @@ class SGLangEngine:
         body = {"input_ids": [req.prompt_ids] * sp.n, "rid": [f"{rid}-{j}" for j in range(sp.n)],
                 "sampling_params": [sampling_payload(sp, sample_seed(seed, req.prompt_id, j)) for j in range(sp.n)],
                 "return_logprob": True, "logprob_start_len": -1, "stream": False}
-        urls = self.urls[index % len(self.urls) :] + self.urls[: index % len(self.urls)]
-        out = self._post_with_retries(urls, "/generate", body, what) if sp.n > 0 else []
+        out = []
+        if sp.n > 0:
+            server = await self._dispatch.acquire(sp.n)  # a slot on the least busy server with room
+            try:  # retries move on to the next servers, as in _post_with_retries
+                out = await self._apost_with_retries(self.urls[server:] + self.urls[:server], "/generate", body, what)
+            finally:
+                self._dispatch.release(server, sp.n)
         results = out if isinstance(out, list) else [out]
         if len(results) != sp.n:
             raise SGLangError(f"{what}: expected {sp.n} samples, got {len(results)}")
@@ -321,13 +398,15 @@ class SGLangEngine:
 
     @property
     def max_in_flight(self) -> int:
-        """Requests the rollout phase keeps submitted: twice the pool's, so a finished request's slot is refilled at
-        once while the phase scores and writes a shard."""
-        return 2 * self.config.max_concurrency
+        """Requests the rollout phase keeps submitted: twice the servers' capacity in sequences (so at least that
+        many requests of any n). Those beyond a server's capacity wait in the dispatcher, not on a server, and start
+        the moment a slot frees, while the phase scores and writes a shard."""
+        return 2 * sum(self.capacities)
 
     def submit(self, index: int, request: GenerateRequest) -> Future:
-        """Start one request (its n samples) in the background; the future holds its samples, in order."""
-        return self._pool.submit(self._generate_one, index, request)
+        """Start one request (its n samples) in the background; the future holds its samples, in order. ``index``
+        labels it only: the dispatcher picks the server."""
+        return self._transport.submit(self._generate_one(request))
 
     def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
         self.check_requests(requests)

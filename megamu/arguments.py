@@ -140,7 +140,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", type=int, default=1)
     g.add_argument("--sglang-server-args", default="",
-                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
+                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --max-running-requests 1024"')
+    g.add_argument("--sglang-server-concurrency", type=int, default=None,
+                   help="sequences each SGLang server (or each worker of a router) runs at once; megamu sends it "
+                        "twice that (default: the server's max_running_requests from /server_info, else 512)")
+    g.add_argument("--rollout-deterministic", action="store_true",
+                   help="SGLang honours each sample's seed (servers launched with --enable-deterministic-inference; "
+                        "given servers must have it), so a resumed stage redraws the same samples; slower kernels. "
+                        "The local engine always is")
     g.add_argument("--sglang-python", default=None,
                    help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
     g.add_argument("--sglang-env", default="",
@@ -193,6 +200,8 @@ def engine_config(args: argparse.Namespace, sync_backend: str = "gloo") -> Engin
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
         _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
+    if args.rollout_engine == "local" and args.sglang_server_concurrency is not None:
+        _error("--sglang-server-concurrency", "only used with --rollout-engine sglang")
     env = {}
     for item in shlex.split(args.sglang_env):
         if "=" not in item:
@@ -208,7 +217,8 @@ def engine_config(args: argparse.Namespace, sync_backend: str = "gloo") -> Engin
         sglang = _config(SGLangConfig, urls=[u for u in (args.sglang_url or "").split(",") if u],
                          num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
                          extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
-                         server_env=env, weight_sync=sync, sync_backend=sync_backend)
+                         server_env=env, weight_sync=sync, sync_backend=sync_backend,
+                         server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
     return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
                    sglang=sglang)
@@ -224,6 +234,7 @@ FLAG_OF_FIELD = {
     "shards_per_call": "--rollout-shards-per-call", "temperature": "--rollout-temperature", "top_p": "--rollout-top-p",
     "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
     "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
+    "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
 }
 
 

@@ -16,6 +16,7 @@ CORE = [
     "psutil>=5.9",
     "numpy>=1.26",
     "packaging",
+    "aiohttp>=3.9",  # the SGLang client's /generate requests (megamu/engines/sglang/transport.py); SGLang ships it
 ]
 
 EXTRAS = {

@@ -8,7 +8,12 @@ import pytest
 from megamu.engines import make_engine
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangError
-from megamu.engines.sglang.dispatch import DEFAULT_SERVER_CONCURRENCY, Dispatcher, server_capacity
+from megamu.engines.sglang.dispatch import (
+    DEFAULT_SERVER_CONCURRENCY,
+    OVERSUBSCRIPTION,
+    Dispatcher,
+    server_capacity,
+)
 from megamu.engines.sglang.launch import DETERMINISTIC_FLAG, SGLangConfig, server_command
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.rollout.schema_server import SchemaServer
@@ -73,9 +78,9 @@ def test_each_server_is_kept_at_its_reported_capacity(server, tiny_llama):
         assert engine.capacities == [3, 6] and engine.max_in_flight == 18 and engine.routers == []
         out = engine.generate(_requests(9, n=3))
         assert len(out) == 27
-        # one request of 3 at a time on the first, two on the second: never more, and both filled (the first three
-        # requests go 0, 1, 1 at once)
-        assert (server.peak_running, other.peak_running) == (3, 6)
+        # each is sent twice its capacity (OVERSUBSCRIPTION), never more, and both are filled at once: the first six
+        # requests go to 0, 1, 0, 1, 1, 1 (fewest outstanding with room, the lower index on a tie)
+        assert OVERSUBSCRIPTION == 2 and (server.peak_running, other.peak_running) == (6, 12)
         assert len(server.log) + len(other.log) == 9 and len(other.log) > len(server.log)
         engine.shutdown()
         forced = _engine([server.url, other.url], server_concurrency=12)  # the flag overrides what servers say

@@ -1,10 +1,11 @@
 """SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints (see notes/sglang.md).
 
 Nothing of SGLang is imported by the trainer: servers are separate processes (launch.py), started here or given as
-URLs (servers or an sglang-router). /generate requests go through transport.py (asyncio + aiohttp): each server is kept
-at its capacity in running sequences (``max_running_requests`` from its /server_info, or ``server_concurrency``), the
-next request going to the server with the fewest outstanding (dispatch.py); a router gets the sum of its workers'
-capacities and places them itself. The few control calls (health, info, weight syncs) use urllib in a small pool.
+URLs (servers or an sglang-router). /generate requests go through transport.py (asyncio + aiohttp), and each server is
+kept full: it is sent twice its capacity in running sequences (``max_running_requests`` from its /server_info, or
+``server_concurrency``), the next request going to the server with the fewest outstanding (dispatch.py); a router
+gets the sum of its workers' capacities and places them itself. The few control calls (health, info, weight syncs)
+use urllib in a small pool.
 Every request is retried with exponential backoff on connection errors and 5xx (on the next server, when there are
 several), never on a timeout (a retry would redo a long generation) or a 4xx.
 Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
@@ -32,7 +33,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.engines.sglang.dispatch import DEFAULT_SERVER_CONCURRENCY, Dispatcher, server_capacity
+from megamu.engines.sglang.dispatch import (
+    DEFAULT_SERVER_CONCURRENCY,
+    OVERSUBSCRIPTION,
+    Dispatcher,
+    server_capacity,
+)
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
@@ -171,7 +177,7 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._transport = AsyncTransport(headers)
-        self._dispatch = Dispatcher(self.capacities)
+        self._dispatch = Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities])
         print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
               + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
 
@@ -398,10 +404,10 @@ class SGLangEngine:
 
     @property
     def max_in_flight(self) -> int:
-        """Requests the rollout phase keeps submitted: twice the servers' capacity in sequences (so at least that
-        many requests of any n). Those beyond a server's capacity wait in the dispatcher, not on a server, and start
-        the moment a slot frees, while the phase scores and writes a shard."""
-        return 2 * sum(self.capacities)
+        """Requests the rollout phase keeps submitted: as many as the sequences the servers are sent, so at least
+        that many requests of any n. Those the servers are not sent yet wait in the dispatcher, and start the moment
+        a slot frees, while the phase scores and writes a shard."""
+        return OVERSUBSCRIPTION * sum(self.capacities)
 
     def submit(self, index: int, request: GenerateRequest) -> Future:
         """Start one request (its n samples) in the background; the future holds its samples, in order. ``index``

@@ -1,8 +1,8 @@
-"""Which server takes the next /generate request, and how many sequences each server may run at once.
+"""Which server takes the next /generate request, and how many sequences each server is sent at once.
 
 A server's capacity is counted in sequences (a request of n samples holds n), as SGLang's scheduler counts its
-running batch against ``max_running_requests``: keeping that many sequences in flight per server keeps its decode
-batch full. Requests go to the server with the fewest outstanding sequences among those with room; the others wait
+running batch against ``max_running_requests``; each server is sent ``OVERSUBSCRIPTION`` times that, so its decode
+batch stays full. Requests go to the server with the fewest outstanding sequences among those with room; the others wait
 here, first come first served, so requests start in the order the rollout phase submitted them (shard order).
 """
 
@@ -13,6 +13,12 @@ from collections import deque
 
 # Sequences in flight per server when neither the flag nor the server says: slime's --sglang-server-concurrency default.
 DEFAULT_SERVER_CONCURRENCY = 512
+# Sequences sent to a server per sequence it runs. A group of n samples goes as one request and holds its n slots here
+# until its last sample ends, while the server frees each sample's slot as soon as that sample ends: sending exactly
+# the capacity would leave the batch short by the samples already finished in unfinished groups (about 28% with
+# lengths uniform in [L/2, 3L/2] and n = 8: bench/rollout_client.py). SGLang queues the surplus and admits it at its
+# next step, so a second capacity's worth keeps the batch full; it costs the server no KV cache until admitted.
+OVERSUBSCRIPTION = 2
 
 
 def server_capacity(info: dict | None) -> int | None:

@@ -71,7 +71,7 @@ class AsyncTransport:
                     if resp.status >= 500:
                         raise ConnectionError(f"{url}{path}: HTTP {resp.status}: {detail}")
                     raise HTTPRefused(f"{url}{path}: HTTP {resp.status}: {detail}", resp.status)
-        except asyncio.TimeoutError as e:  # aiohttp's total timeout; TimeoutError itself on Python >= 3.11
+        except TimeoutError as e:  # aiohttp's total timeout; TimeoutError itself on Python >= 3.11
             raise TimeoutError(f"{url}{path}: no answer within {timeout}s") from e
         except aiohttp.ClientError as e:  # refused, reset, dropped before the answer, malformed answer
             raise ConnectionError(f"{url}{path}: {type(e).__name__}: {e}") from e

@@ -40,10 +40,10 @@ TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ra
 def response_logprobs(
     model, batch: PackedBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the batch's response tokens, in its response frame [n, width]: ``score_tokens``
-    on the batch's rows, with the output layer applied at the response positions only."""
+    """Log-probs (and entropy) of the batch's response tokens, in its response frame [n, width] (0 outside the
+    responses): ``score_tokens`` on the batch's rows, with the output layer applied at the response tokens only."""
     return score_tokens(model, batch.input_ids, batch.score_index, batch.targets, attention_mask=batch.attention_mask,
-                        temperature=temperature, with_entropy=with_entropy)
+                        temperature=temperature, with_entropy=with_entropy, scored=batch.response_mask)
 
 
 def length_order(samples: list[RolloutSample], share_prompts: bool) -> list[int]:

@@ -215,3 +215,22 @@ def test_pad_fraction_counts_padded_positions_of_the_micro_batches(tiny, share_p
     skipped = [RolloutSample(0, 0, [5, 6], [7], [-1.0], 1.0, 0.0, "stop")]  # A = 0: nothing is forwarded
     assert train_step(model, capture_optimizer(model), skipped, algo, micro_batch_size=1,
                       skip_zero_advantage=True)["pad_fraction"] == 0.0
+
+
+def test_scoring_only_the_response_tokens_gives_the_same_values_there(tiny):
+    from megamu.model import score_tokens
+    from megamu.training import pack
+
+    model, arch, _ = tiny
+    samples = make_samples(2, 3, arch.vocab_size, seed=9, response_len=(1, 9))
+    batch = pack(samples)
+    assert not batch.response_mask.all()  # the frame has padding, which the scored call skips
+    with torch.no_grad():
+        full = score_tokens(model, batch.input_ids, batch.score_index, batch.targets, temperature=0.7,
+                            with_entropy=True)
+        part = score_tokens(model, batch.input_ids, batch.score_index, batch.targets, temperature=0.7,
+                            with_entropy=True, scored=batch.response_mask)
+    mask = batch.response_mask
+    for a, b in zip(full, part):  # same fp32 math on fewer rows: rounding only
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+        assert torch.count_nonzero(b[~mask]) == 0

@@ -33,12 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.engines.sglang.dispatch import (
-    DEFAULT_SERVER_CONCURRENCY,
-    OVERSUBSCRIPTION,
-    Dispatcher,
-    server_capacity,
-)
+from megamu.engines.sglang.dispatch import OVERSUBSCRIPTION, Dispatcher, server_capacities
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
@@ -47,81 +42,12 @@ from megamu.engines.sglang.launch import (
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
-from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused
-from megamu.engines.types import (
-    GeneratedSample,
-    GenerateRequest,
-    SamplingParams,
-    check_prompts,
-    describe_request,
-    sample_seed,
-)
-
-
-class SGLangError(RuntimeError):
-    """A server that failed to start, or a request that failed after its retries; the message says which."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status  # the HTTP status of a refused request, if that is what failed
-
+from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
+from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused, attempt_body
+from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
 
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def sampling_payload(sp: SamplingParams, seed: int | None = None) -> dict:
-    """SGLang ``sampling_params`` of one sample. The seed is cut to 31 bits: some SGLang releases hold it in int32."""
-    payload = {
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k if sp.top_k > 0 else -1,
-        "max_new_tokens": sp.max_new_tokens,
-        "stop_token_ids": list(sp.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the stop token: the policy must learn to emit it
-    }
-    if seed is not None:
-        payload["sampling_seed"] = seed & 0x7FFFFFFF
-    return payload
-
-
-def parse_sample(result: dict, prompt_id: int, sample_index: int, stop_ids=()) -> GeneratedSample:
-    """One SGLang result (``meta_info.output_token_logprobs`` = [[logprob, token_id, text], ...]) as a sample.
-
-    Ids and log-probs both come from ``output_token_logprobs``, so there is exactly one log-prob per id whatever
-    SGLang trims from ``output_ids``. Some SGLang releases check the length limit before the stop tokens, so a reply
-    whose last allowed token is a stop token comes back as "length"; it is complete, and LocalEngine calls it "stop":
-    so do we.
-    """
-    meta = result.get("meta_info") or {}
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
-        raise SGLangError(f"response for prompt {prompt_id} has no meta_info.output_token_logprobs "
-                          "(was return_logprob dropped by a proxy?)")
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    ids = [int(p[1]) for p in pairs]
-    if kind == "length" and ids and ids[-1] in stop_ids:
-        kind = "stop"
-    version = meta.get("weight_version")
-    return GeneratedSample(
-        prompt_id=prompt_id,
-        sample_index=sample_index,
-        output_ids=ids,
-        output_logprobs=[float(p[0]) for p in pairs],
-        finish_reason=kind if kind in ("stop", "length") else "abort",
-        weight_version=None if version is None else str(version),
-    )
-
-
-def _attempt_body(body: dict, attempt: int) -> dict:
-    """The body of retry ``attempt``: fresh request ids, since SGLang answers 400 "Duplicate request ID" while a
-    failed attempt is still known to the server."""
-    if not attempt or "rid" not in body:
-        return body
-    rid = body["rid"]
-    return dict(body, rid=[f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}")
 
 
 def _served_vocab_size(model_path: str | None) -> int | None:
@@ -210,33 +136,14 @@ class SGLangEngine:
                 self.shutdown()
                 raise
         self._read_limits(infos, model_path)
-        workers = [self._router_workers(u) for u in self.urls]
-        self.routers = [u for u, w in zip(self.urls, workers) if w is not None]
-        self.capacities = [self._capacity(info) if w is None else self._router_capacity(w)
-                           for info, w in zip(infos, workers)]
+        self.capacities, self.routers = server_capacities(self.urls, infos, self.config.server_concurrency,
+                                                          self._get_or_none)
 
-    def _capacity(self, info: dict | None) -> int:
-        """Sequences one server runs at once: the configured override, else what the server reports, else slime's
-        default."""
-        return self.config.server_concurrency or server_capacity(info) or DEFAULT_SERVER_CONCURRENCY
-
-    def _router_capacity(self, workers: list[str]) -> int:
-        """A router gets the sum of its workers' capacities (each asked directly when it answers us)."""
-        def info(url):
-            try:
-                return self._call(url, "/server_info", None, timeout=30.0)
-            except (SGLangError, OSError, http.client.HTTPException, ValueError):
-                return None
-        return sum(self._capacity(info(w)) for w in workers) or self._capacity(None)
-
-    def _router_workers(self, url: str) -> list[str] | None:
-        """The worker URLs behind ``url`` if it is an sglang-router (its /list_workers), else None."""
+    def _get_or_none(self, url: str, path: str):
         try:
-            out = self._call(url, "/list_workers", None, timeout=30.0)
+            return self._call(url, path, None, timeout=30.0)
         except (SGLangError, OSError, http.client.HTTPException, ValueError):
-            return None  # an SGLang server answers 404
-        urls = out.get("urls") if isinstance(out, dict) else None
-        return [str(u).rstrip("/") for u in urls] if isinstance(urls, list) else None
+            return None
 
     def _check_server(self, url: str, model_path: str | None) -> dict:
         """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?"""
@@ -324,7 +231,7 @@ class SGLangEngine:
         for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
             try:
-                return self._call(url, path, _attempt_body(body, attempt), timeout=timeout)
+                return self._call(url, path, attempt_body(body, attempt), timeout=timeout)
             except SGLangError as e:
                 raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
             except TimeoutError as e:
@@ -348,7 +255,7 @@ class SGLangEngine:
         for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
             try:
-                return await self._transport.post(url, path, _attempt_body(body, attempt), timeout=timeout)
+                return await self._transport.post(url, path, attempt_body(body, attempt), timeout=timeout)
             except HTTPRefused as e:
                 raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
             except TimeoutError as e:

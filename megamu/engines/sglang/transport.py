@@ -20,6 +20,15 @@ from collections.abc import Awaitable
 from concurrent.futures import Future
 
 
+def attempt_body(body: dict, attempt: int) -> dict:
+    """The body of retry ``attempt`` (both paths): fresh request ids, since SGLang answers 400 "Duplicate request
+    ID" while a failed attempt is still known to the server."""
+    if not attempt or "rid" not in body:
+        return body
+    rid = body["rid"]
+    return dict(body, rid=[f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}")
+
+
 class HTTPRefused(Exception):
     """A 4xx answer: the server refused this request and would refuse it again."""
 

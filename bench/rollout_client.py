@@ -31,6 +31,45 @@ catch up (samples/s then strays a few % either way); the fill does not depend on
 whether the client kept every server's batch full. Client CPU per request is this process's CPU time
 (servers excluded) over the run, per request of n samples. Mean response length is short (--mean-len, default 32
 tokens, uniform in [L/2, 3L/2]) to make the request rate, and so the client's load, ~30x a real RL rollout's.
+
+Measured 2026-12-03 on a 2-core AMD EPYC shared with other jobs, everything pinned to one core, one run
+(``--clients before after --mean-len 64 --waves 3``):
+
+    t_step = 7 ms + 38 us x batch; n = 8; mean length 64; 3 full batches per setting
+    servers in flight   client  samples/s    limit  ratio batch fill CPU ms/req
+          1        64   before        107      106   1.01      1.000       2.04
+          1        64    after        107      106   1.01      1.000       2.22
+          1       256   before        237      239   0.99      1.000       2.36
+          1       256    after        237      239   0.99      1.000       3.13
+          1      1024   before        293      347   0.84      0.984       2.33
+          1      1024    after        278      347   0.80      0.985       1.89
+          1      2048   before        326      376   0.87      0.700       2.51
+          1      2048    after        301      376   0.80      0.987       2.10
+          4        64   before        412      424   0.97      1.000       2.03
+          4        64    after        411      424   0.97      1.000       2.32
+          4       256   before        899      954   0.94      0.976       2.42
+          4       256    after       1036      954   1.09      0.977       1.94
+          4      1024   before        733     1390   0.53      0.351       2.53
+          4      1024    after       1438     1390   1.03      0.982       1.95
+          4      2048   before       1002     1504   0.67      0.174       2.48
+          4      2048    after       1228     1504   0.82      0.984       1.83
+          8        64   before        903      847   1.07      1.000       2.33
+          8        64    after        900      847   1.06      1.000       1.77
+          8       256   before        882     1909   0.46      0.674       1.85
+          8       256    after       2140     1909   1.12      0.787       2.02
+          8      1024   before        807     2779   0.29      0.144       2.87
+          8      1024    after       3224     2779   1.16      0.977       1.77
+          8      2048   before        902     3008   0.30      0.062       2.08
+          8      2048    after       3365     3008   1.12      0.971       2.13
+
+The batch fill is the client's part: before, one server of 2048 ran 0.70 of its batch and 4-8 servers of 1024 or
+2048 ran 0.06-0.35 (256 requests over all servers, and no surplus for the groups' finished samples); after, every
+server ran >= 0.97 of its capacity except at 8 x 256, where the one core holding the client and the 8 simulated
+servers was saturated (~2 ms CPU per request of 8 x 64 tokens each side, ~270 requests/s). samples/s strays up to
+~15% either way from the limit because the busy core made the simulated steps run late and catch up.
+Threads at the new client's depth (``--clients threads``, mean length 128, same day): at 4 x 1024 (1024 threads) the
+fill was 0.982 against asyncio's 0.984, but at 101.9 ms CPU per request against 3.5; at 4 x 2048 and 8 x 1024 (2048
+threads) they reached 0.05-0.20 of the limit and drove the load average past 200. Hence asyncio + aiohttp.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ CORE = [
     # megamu extends for the CPU local spec. einops: imported by mbridge's model registry, not declared by it.
     "mbridge>=0.15.1,<0.16",
     "einops>=0.8",
+    "aiohttp>=3.9",  # the SGLang client's /generate requests (megamu/engines/sglang/transport.py); SGLang ships it
 ]
 
 EXTRAS = {

@@ -50,10 +50,14 @@ paper_flags() {
         # SGLang 0.5.23 applies --mem-fraction-static to the memory free when the server starts, which already
         # excludes whatever the trainer still holds (nothing much: --offload-train, on in staged mode, moves its
         # weights, gradients and Adam state off the GPUs first), so no room needs leaving for the trainer; the
-        # remaining 15% is for SGLang's own activations and CUDA graphs. Deterministic inference makes a resumed
-        # rollout bitwise equal.
+        # remaining 15% is for SGLang's own activations and CUDA graphs. Deterministic inference is left off: its
+        # batch-invariant kernels are slower, and it only makes a resumed rollout redraw the same samples (each shard
+        # records which mode made it); ROLLOUT_DETERMINISTIC=1 turns it on.
         PAPER_FLAGS+=(--sglang-num-servers "$GPUS" --sglang-tp-size 1
-                      --sglang-server-args "--mem-fraction-static ${SGLANG_MEM_FRACTION:-0.85} --enable-deterministic-inference")
+                      --sglang-server-args "--mem-fraction-static ${SGLANG_MEM_FRACTION:-0.85}")
+        if [ "${ROLLOUT_DETERMINISTIC:-0}" = "1" ]; then
+            PAPER_FLAGS+=(--rollout-deterministic)
+        fi
     fi
 }
 

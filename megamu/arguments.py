@@ -157,7 +157,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-num-servers", type=int, default=_default(SGLangConfig, "num_servers"))
     g.add_argument("--sglang-tp-size", type=int, default=_default(SGLangConfig, "tp_size"))
     g.add_argument("--sglang-server-args", default="",
-                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --enable-deterministic-inference"')
+                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --max-running-requests 1024"')
+    g.add_argument("--sglang-server-concurrency", type=int, default=None,
+                   help="sequences each SGLang server (or each worker of a router) runs at once; megamu sends it "
+                        "twice that (default: the server's max_running_requests from /server_info, else 512)")
+    g.add_argument("--rollout-deterministic", action="store_true",
+                   help="SGLang honours each sample's seed (servers launched with --enable-deterministic-inference; "
+                        "given servers must have it), so a resumed stage redraws the same samples; slower kernels. "
+                        "The local engine always is")
     g.add_argument("--sglang-python", default=None,
                    help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
     g.add_argument("--sglang-env", default="",
@@ -218,6 +225,8 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
         _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
+    if args.rollout_engine == "local" and args.sglang_server_concurrency is not None:
+        _error("--sglang-server-concurrency", "only used with --rollout-engine sglang")
     env = {}
     for item in shlex.split(args.sglang_env):
         if "=" not in item:
@@ -237,7 +246,8 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          shares_trainer_devices=colocated,  # async servers have GPUs of their own
                          sync_master_address=args.weight_sync_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
                          memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
-                         else args.sglang_memory_saver)
+                         else args.sglang_memory_saver,
+                         server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
     return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
                    sglang=sglang)
@@ -254,6 +264,7 @@ FLAG_OF_FIELD = {
     "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
     "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
     "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
+    "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
 }
 
 

@@ -151,6 +151,7 @@ class LocalEngine(EngineBase):
     """Generate with a transformers causal LM in this process (the CPU default; same shapes as SGLangEngine)."""
 
     name = "local"
+    deterministic = True  # each sample is drawn with a generator seeded by sample_seed alone
 
     def __init__(self, hf_dir: str, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 128,
                  progress: bool = False):

@@ -82,6 +82,9 @@ class Engine(Protocol):
     engine needs, so only engines that stream (SGLang) write ``submit`` and ``max_in_flight``."""
 
     name: str  # recorded in each stage manifest
+    # Is every sample drawn from its seed alone, so that a resumed stage redraws exactly what an uninterrupted run
+    # would? None: cannot tell. Recorded with each shard.
+    deterministic: bool | None
     max_in_flight: int  # requests the phase keeps submitted at once; 0: it hands over whole shards to ``generate``
 
     def check_requests(self, requests: list[GenerateRequest]) -> None:
@@ -108,6 +111,7 @@ class EngineBase:
     """Defaults of the Engine protocol for an engine that generates a whole call at a time."""
 
     max_in_flight = 0
+    deterministic: bool | None = None
 
     @property
     def name(self) -> str:

@@ -146,6 +146,8 @@ def transformer_config(
 ):
     from megatron.core.transformer import TransformerConfig
 
+    from megamu.model.spec import fusion_fields
+
     arch.check_tp(tp)
     return TransformerConfig(
         **recompute_fields(recompute_granularity),
@@ -170,9 +172,5 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **fusion_fields(transformer_impl),
     )

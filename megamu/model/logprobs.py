@@ -40,7 +40,9 @@ def token_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     group = parallel_state.get_tensor_model_parallel_group()
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:  # x / 1.0 is x exactly: skip a pass over [tokens, vocab] at the usual T = 1
+        z = z / temperature
     local_vocab = z.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
 
@@ -95,13 +97,16 @@ def score_tokens(
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    scored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[targets] (and the entropy) predicted at chosen positions: fp32 tensors [n, w].
 
     input_ids [b, s]: what the model reads. score_index [n, w] int64: flat positions (row * s + column) whose
     outputs predict targets [n, w]. attention_mask: None for causal rows with positions 0..s-1, else megatron's bool
     [b, 1, s, s] (True = masked) of a layout where each token sees exactly its own earlier tokens (see
-    ``megamu.model.spec.PortableAttention``; the local spec only).
+    ``megamu.model.spec.PortableAttention``; the local spec only). ``scored`` [n, w] bool: only these entries are
+    computed (the output layer and the vocab-wide log-softmax run on them alone); the others are 0. A batch's frame
+    is as wide as its longest response, so on the shorter ones this skips the padding's share of the vocab work.
     """
     from megamu.model.build import unwrap
     from megamu.model.spec import PortableAttention
@@ -116,9 +121,16 @@ def score_tokens(
         raise ValueError(f"score_index {tuple(score_index.shape)} and targets {tuple(targets.shape)} must match")
     # megatron wants position ids; our core attention derives positions itself (0..s-1, or from the mask)
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-    with _output_layer_only_at(gpt, score_index):
-        logits = model(input_ids, position_ids, attention_mask)
-    return token_logprobs(logits, targets, temperature, with_entropy)
+    if scored is None:
+        with _output_layer_only_at(gpt, score_index):
+            logits = model(input_ids, position_ids, attention_mask)
+        return token_logprobs(logits, targets, temperature, with_entropy)
+    with _output_layer_only_at(gpt, score_index[scored][None]):
+        logits = model(input_ids, position_ids, attention_mask)  # [1, k, V/TP]: the scored entries only
+    logp, entropy = token_logprobs(logits[0], targets[scored], temperature, with_entropy)
+    frame = lambda values: torch.zeros(targets.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        scored, values)
+    return frame(logp), None if entropy is None else frame(entropy)
 
 
 def forward_logprobs(

@@ -51,6 +51,7 @@ class ShardInfo:
     num_rows: int
     num_groups: int
     t_generate_s: float = 0.0
+    deterministic: bool | None = None  # made by an engine that draws each sample from its seed alone (None: unknown)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class StageManifest:
     truncation_rate: float = 0.0  # samples that hit max_new_tokens
     mean_response_length: float = 0.0
     t_rollout_s: float = 0.0  # generation + scoring time summed over shards (across resumed runs)
+    deterministic: bool | None = None  # every shard's engine drew from seeds alone (False if any did not)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -93,9 +95,18 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
-def write_shard(out_dir: str | Path, index: int, groups: list[list[RolloutSample]], t_generate_s: float = 0.0
-                ) -> ShardInfo:
-    """Write complete groups as one shard, atomically; the generation time travels in the file's metadata."""
+_MODES = {True: b"true", False: b"false", None: b"unknown"}
+
+
+def combined_mode(modes: list[bool | None]) -> bool | None:
+    """Deterministic as a whole: False if any part is not, True if all are, else None (unknown)."""
+    return False if False in modes else True if modes and all(modes) else None
+
+
+def write_shard(out_dir: str | Path, index: int, groups: list[list[RolloutSample]], t_generate_s: float = 0.0,
+                deterministic: bool | None = None) -> ShardInfo:
+    """Write complete groups as one shard, atomically; the generation time and whether the engine drew each sample
+    from its seed alone travel in the file's metadata."""
     rows = [s for g in groups for s in g]
     table = pa.Table.from_pydict(
         {
@@ -111,11 +122,12 @@ def write_shard(out_dir: str | Path, index: int, groups: list[list[RolloutSample
             "stage": [s.stage for s in rows],
             "policy_version": [s.policy_version for s in rows],
         },
-        schema=SCHEMA.with_metadata({"megamu.t_generate_s": str(t_generate_s), "megamu.num_groups": str(len(groups))}),
+        schema=SCHEMA.with_metadata({"megamu.t_generate_s": str(t_generate_s), "megamu.num_groups": str(len(groups)),
+                                     "megamu.deterministic": _MODES[deterministic]}),
     )
     path = Path(out_dir) / shard_name(index)
     atomic_write(path, lambda p: pq.write_table(table, p))
-    return ShardInfo(path.name, sha256_file(path), len(rows), len(groups), t_generate_s)
+    return ShardInfo(path.name, sha256_file(path), len(rows), len(groups), t_generate_s, deterministic)
 
 
 def shard_info(path: Path) -> ShardInfo:
@@ -123,7 +135,13 @@ def shard_info(path: Path) -> ShardInfo:
     meta = pq.read_schema(path).metadata or {}
     num_rows = pq.read_metadata(path).num_rows
     return ShardInfo(path.name, sha256_file(path), num_rows, int(meta.get(b"megamu.num_groups", b"0")),
-                     float(meta.get(b"megamu.t_generate_s", b"0")))
+                     float(meta.get(b"megamu.t_generate_s", b"0")), shard_mode(path))
+
+
+def shard_mode(path: Path) -> bool | None:
+    """Whether the engine that wrote this shard drew each sample from its seed alone (None: unknown or older)."""
+    value = (pq.read_schema(path).metadata or {}).get(b"megamu.deterministic", b"unknown")
+    return {v: k for k, v in _MODES.items()}.get(value)
 
 
 def table_to_samples(table: pa.Table) -> list[RolloutSample]:

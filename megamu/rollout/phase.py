@@ -2,7 +2,9 @@
 
 Determinism: shard k always holds the groups of prompts[k*S:(k+1)*S], and each request's seed derives from
 (base seed, stage, prompt_id), so a phase resumed after a crash produces exactly the groups of an uninterrupted run
-(with SGLang, only on servers that honour sampling_seed: see megamu/engines/sglang/client.py).
+(with SGLang, only on servers launched with --enable-deterministic-inference, i.e. --rollout-deterministic: see
+megamu/engines/sglang/client.py). Each shard records whether its engine drew from seeds alone, and a resumed phase
+says so.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from megamu.records import RolloutSample
 from megamu.rollout.dataset import (
     MANIFEST,
     StageManifest,
+    combined_mode,
     group_stats,
     read_manifest,
     shard_info,
+    shard_mode,
     shard_name,
     write_manifest,
     write_shard,
@@ -137,7 +141,7 @@ def _streamed_shards(engine, shard_requests: dict[int, list[GenerateRequest]], m
     finally:
         stopped.set()
         with lock:
-            for f in futures:
+            for f in list(futures):  # a cancelled future's callback runs here, at once, and leaves the set
                 f.cancel()
 
 
@@ -160,6 +164,11 @@ def _called_shards(engine, shard_requests: dict[int, list[GenerateRequest]], sha
                 out = out[n:]
     finally:  # on an error, do not wait for the call generating ahead
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _mode_words(deterministic: bool | None) -> str:
+    return {True: "deterministically (from seeds alone)", False: "non-deterministically (seeds ignored)",
+            None: "in an unknown mode (seeds may be ignored)"}[deterministic]
 
 
 def _check_plan(out: Path, plan: dict) -> None:
@@ -217,8 +226,13 @@ def run_rollout_phase(
     chunks = [prompts[i : i + groups_per_shard] for i in range(0, len(prompts), groups_per_shard)]
     done = [(out / shard_name(k)).exists() for k in range(len(chunks))]
     todo = sum(len(c) for c, d in zip(chunks, done) if not d) * n_samples
+    mode = getattr(engine, "deterministic", None)
     if any(done):
-        print(f"[rollout] stage {stage}: resuming, {sum(done)}/{len(chunks)} shards already in {out}")
+        print(f"[rollout] stage {stage}: resuming, {sum(done)}/{len(chunks)} shards already in {out}, made "
+              f"{_mode_words(combined_mode([shard_mode(out / shard_name(k)) for k in range(len(chunks)) if done[k]]))}"
+              f"; the missing shards are drawn {_mode_words(mode)}"
+              + ("" if mode else " (new samples, not those an uninterrupted run would have drawn; "
+                                                 "--rollout-deterministic makes SGLang honour the seeds)"))
     bar = tqdm(total=todo, desc=f"rollout stage {stage}", unit="sample", dynamic_ncols=True)
     n_tokens, reward_sum, n_done, t0 = 0, 0.0, 0, time.monotonic()
     missing = [k for k in range(len(chunks)) if not done[k]]
@@ -232,7 +246,8 @@ def run_rollout_phase(
         shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
                              policy_version=policy_version)
         now = time.monotonic()
-        write_shard(out, k, shard, t_generate_s=now - t_last)  # the shards' times add up to the phase's
+        # the shards' times add up to the phase's
+        write_shard(out, k, shard, t_generate_s=now - t_last, deterministic=mode)
         t_last = now
         flat = [s for g in shard for s in g]
         n_tokens += sum(s.response_length for s in flat)
@@ -275,7 +290,7 @@ def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_vers
         stage=stage, num_groups=len(rewards), group_size=group_size, num_shards=num_shards, shards=infos,
         sampling=asdict(sampling), engine=engine.name, model_path=str(model_path),
         policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
-        **group_stats(rewards, finish, lengths),
+        deterministic=combined_mode([i.deterministic for i in infos]), **group_stats(rewards, finish, lengths),
     )
     write_manifest(out, manifest)
     return manifest

@@ -40,10 +40,10 @@ TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ra
 def response_logprobs(
     model, batch: PackedBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the batch's response tokens, in its response frame [n, width]: ``score_tokens``
-    on the batch's rows, with the output layer applied at the response positions only."""
+    """Log-probs (and entropy) of the batch's response tokens, in its response frame [n, width] (0 outside the
+    responses): ``score_tokens`` on the batch's rows, with the output layer applied at the response tokens only."""
     return score_tokens(model, batch.input_ids, batch.score_index, batch.targets, attention_mask=batch.attention_mask,
-                        temperature=temperature, with_entropy=with_entropy)
+                        temperature=temperature, with_entropy=with_entropy, scored=batch.response_mask)
 
 
 def length_order(samples: list[RolloutSample], share_prompts: bool) -> list[int]:
@@ -98,7 +98,8 @@ def train_step(
                      if local else [])
 
     # Sums over this rank's micro-batches, all-reduced over DP below.
-    sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", *TOKEN_STATS), 0.0)
+    sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", "read_tokens",
+                          "row_tokens", *TOKEN_STATS), 0.0)
     sums["veto_sequence_fraction"] = 0.0
     log_ratio_min = math.inf
 
@@ -113,6 +114,8 @@ def train_step(
         (loss * weight).backward()
 
         rows = float(batch.response_mask.any(dim=1).sum())
+        sums["read_tokens"] += batch.input_ids.numel()  # positions the model reads, padding included
+        sums["row_tokens"] += sum(row_lengths(mb, share_prompts))
         sums["loss"] += float(loss.detach()) * weight
         sums["entropy"] += float((entropy * batch.response_mask).sum())
         sums["tokens"] += mb_tok
@@ -163,6 +166,8 @@ def train_step(
         "advantage_min": float(advantages.min()),
         "advantage_max": float(advantages.max()),
         "n_micro_batches": float(len(micro_batches)),
+        # padded / read positions over the micro-batches forwarded (0 when none was: all skipped)
+        "pad_fraction": 1.0 - t["row_tokens"] / t["read_tokens"] if t["read_tokens"] else 0.0,
         "trained_sample_fraction": t["rows"] / n_seq,
     }
     return metrics

@@ -29,6 +29,11 @@ class SchemaServer:
         self.memory_saver = False  # as launched with --enable-memory-saver: it may release and resume its memory
         self.released: set[str] = set()  # what it has released: no push while "weights", no generation while any
         self.calls: list[str] = []  # every POST path in order, with its tags and weight version ("/x:kv_cache@4")
+        self.max_running_requests: int | None = None  # reported in /server_info's internal_states when set
+        self.running = 0  # sequences (samples) of /generate requests being answered now, and the most at once
+        self.peak_running = 0
+        self.workers: list[str] | None = None  # set: answer /list_workers as an sglang-router with these URLs
+        self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -120,7 +125,12 @@ class SchemaServer:
                             "enable_deterministic_inference": server.deterministic}
                     if server.max_req_input_len is not None:
                         info["max_req_input_len"] = server.max_req_input_len
+                    if server.max_running_requests is not None:  # as SGLang: the scheduler's value, not the flag's
+                        info["max_running_requests"] = None
+                        info["internal_states"] = [{"max_running_requests": server.max_running_requests}]
                     return self._reply(200, info)
+                if self.path == "/list_workers" and server.workers is not None:
+                    return self._reply(200, {"urls": server.workers})
                 if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.engine.hf_dir,
                                              "weight_version": server.weight_version})
@@ -163,7 +173,17 @@ class SchemaServer:
                 if fault and fault.startswith("sleep:"):
                     time.sleep(float(fault.split(":")[1]))
                 if self.path == "/generate":
-                    out = server.generate(body)
+                    ids = body["input_ids"]
+                    n = (len(ids) if isinstance(ids[0], list) else 1) if ids else 0
+                    with server.lock:
+                        server.running += n
+                        server.peak_running = max(server.peak_running, server.running)
+                    try:
+                        time.sleep(server.delay_s)
+                        out = server.generate(body)
+                    finally:
+                        with server.lock:
+                            server.running -= n
                     server.log.append({"body": body, "response": out})
                     return self._reply(200, out)
                 if self.path == "/update_weights_from_disk":

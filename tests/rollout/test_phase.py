@@ -137,3 +137,33 @@ def test_generate_groups_refuses_a_logprob_per_token_mismatch(tiny_llama):
     with pytest.raises(RuntimeError, match="tokens but .* log-probs for prompt 0 sample 0"):
         generate_groups(ShortLogprobEngine(LocalEngine(tiny_llama)), make_prompts(tok)[:1], SAMPLING, 2,
                         ParityScorer(), tok)
+
+
+class UnseededEngine(EngineBase):
+    """The local engine, labelled as one that ignores seeds (SGLang without deterministic inference)."""
+
+    name = "sglang"
+    deterministic = False
+
+    def __init__(self, inner):
+        self.generate = inner.generate
+
+
+def test_each_shard_records_its_engines_mode_and_a_resume_says_it(tiny_llama, tmp_path, capsys):
+    from megamu.rollout.dataset import read_manifest, shard_mode
+
+    tok = build_char_tokenizer()
+    prompts = make_prompts(tok)
+    kw = dict(sampling=SAMPLING, n_samples=2, scorer=ParityScorer(), tokenizer=tok, stage=0, groups_per_shard=2)
+    local = LocalEngine(tiny_llama)
+    m = run_rollout_phase(local, prompts, tmp_path, **kw)
+    assert m.deterministic is True and [s.deterministic for s in m.shards] == [True] * 4
+    (tmp_path / MANIFEST).unlink()
+    (tmp_path / "shard-00003.parquet").unlink()
+    capsys.readouterr()
+    m = run_rollout_phase(UnseededEngine(local), prompts, tmp_path, **kw)
+    said = capsys.readouterr().out
+    assert "resuming, 3/4 shards" in said and "made deterministically (from seeds alone)" in said
+    assert "missing shards are drawn non-deterministically (seeds ignored) (new samples" in said
+    assert [s.deterministic for s in m.shards] == [True, True, True, False] and m.deterministic is False
+    assert read_manifest(tmp_path).deterministic is False and shard_mode(tmp_path / "shard-00003.parquet") is False

@@ -20,7 +20,7 @@ from tests.rollout.schema_server import SchemaServer
 
 
 def _client(server, **kw):
-    kw = dict(dict(api_key="secret", backoff_s=0.05, max_retries=3, max_concurrency=4), **kw)
+    kw = dict(dict(api_key="secret", backoff_s=0.05, max_retries=3, server_concurrency=12), **kw)
     return make_engine("sglang", None, urls=[server.url], **kw)
 
 

@@ -194,3 +194,43 @@ def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged(tiny64, b
     assert m_skip["loss"] == pytest.approx(m_full["loss"], rel=rtol, abs=rtol)
     assert m_skip["trained_sample_fraction"] == pytest.approx(12 / 16)
     assert m_skip["n_micro_batches"] < m_full["n_micro_batches"]
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_pad_fraction_counts_padded_positions_of_the_micro_batches(tiny, share_prompts):
+    from megamu.records import RolloutSample
+
+    model, arch, _ = tiny
+    algo = ALGORITHM_PRESETS["mu-grpo"]
+    # one row per sample: 2 + response tokens = 3, 5, 8, 4, sorted into micro-batches of two [3, 4], [5, 8]: read
+    # 2*4 + 2*8 = 24 positions for 20 tokens. Shared rows (one sample per prompt id here) hold the prompt and the
+    # response without its last token: 2, 4, 7, 3 -> [2, 3], [4, 7]: read 2*3 + 2*7 = 20 for 16.
+    lengths = [1, 3, 6, 2]
+    samples = [RolloutSample(i, 0, [5, 6], list(range(7, 7 + r)), [-1.0] * r, 1.0, 0.5 if i % 2 else -0.5, "stop")
+               for i, r in enumerate(lengths)]
+    m = train_step(model, capture_optimizer(model), samples, algo, micro_batch_size=2, share_prompts=share_prompts)
+    assert m["n_micro_batches"] == 2 and m["pad_fraction"] == pytest.approx(4 / 20 if share_prompts else 4 / 24)
+    one = train_step(model, capture_optimizer(model), samples, algo, micro_batch_size=1)
+    assert one["pad_fraction"] == 0.0
+    skipped = [RolloutSample(0, 0, [5, 6], [7], [-1.0], 1.0, 0.0, "stop")]  # A = 0: nothing is forwarded
+    assert train_step(model, capture_optimizer(model), skipped, algo, micro_batch_size=1,
+                      skip_zero_advantage=True)["pad_fraction"] == 0.0
+
+
+def test_scoring_only_the_response_tokens_gives_the_same_values_there(tiny):
+    from megamu.model import score_tokens
+    from megamu.training import pack
+
+    model, arch, _ = tiny
+    samples = make_samples(2, 3, arch.vocab_size, seed=9, response_len=(1, 9))
+    batch = pack(samples)
+    assert not batch.response_mask.all()  # the frame has padding, which the scored call skips
+    with torch.no_grad():
+        full = score_tokens(model, batch.input_ids, batch.score_index, batch.targets, temperature=0.7,
+                            with_entropy=True)
+        part = score_tokens(model, batch.input_ids, batch.score_index, batch.targets, temperature=0.7,
+                            with_entropy=True, scored=batch.response_mask)
+    mask = batch.response_mask
+    for a, b in zip(full, part):  # same fp32 math on fewer rows: rounding only
+        torch.testing.assert_close(b[mask], a[mask], rtol=0, atol=1e-5)
+        assert torch.count_nonzero(b[~mask]) == 0

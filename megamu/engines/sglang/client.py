@@ -1,18 +1,24 @@
 """SGLang rollout engine: an HTTP client for ``/generate`` and the weight-sync endpoints.
 
-Only the standard library is used on the client side, so nothing of SGLang is imported by the trainer: servers are
-separate processes (launch.py), started here or given as URLs (servers or an sglang-router).
-Requests run in a bounded thread pool; each is retried with exponential backoff on connection errors and 5xx
-(on the next server, when there are several), never on a timeout (a retry would redo a long generation) or a 4xx.
+Nothing of SGLang is imported by the trainer: servers are separate processes (launch.py), started here or given as
+URLs (servers or an sglang-router). /generate requests go through transport.py (asyncio + aiohttp), and each server is
+kept full: it is sent twice its capacity in running sequences (``max_running_requests`` from its /server_info, or
+``server_concurrency``), the next request going to the server with the fewest outstanding (dispatch.py); a router
+gets the sum of its workers' capacities and places them itself. The few control calls (health, info, weight syncs)
+use urllib in a small pool.
+Every request is retried with exponential backoff on connection errors and 5xx (on the next server, when there are
+several), never on a timeout (a retry would redo a long generation) or a 4xx.
 Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
 
 Seeds: every sample is sent with its own ``sampling_seed``, but SGLang honours it only on servers launched with
-``--enable-deterministic-inference`` (elsewhere it is ignored and sampling is random, so a resumed stage draws new
-samples for its missing shards). ``SGLangEngine.deterministic`` says which; pass the flag in ``extra_server_args``.
+``--enable-deterministic-inference`` (slower batch-invariant kernels), which ``SGLangConfig.deterministic`` adds to
+launched servers and requires of given ones. Without it sampling is random, so a resumed stage draws new samples for
+its missing shards. ``SGLangEngine.deterministic`` says which.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -27,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from megamu.engines.sglang.dispatch import OVERSUBSCRIPTION, Dispatcher, server_capacities
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
@@ -35,71 +42,12 @@ from megamu.engines.sglang.launch import (
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
-from megamu.engines.types import (
-    GeneratedSample,
-    GenerateRequest,
-    SamplingParams,
-    check_prompts,
-    describe_request,
-    sample_seed,
-)
-
-
-class SGLangError(RuntimeError):
-    """A server that failed to start, or a request that failed after its retries; the message says which."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status  # the HTTP status of a refused request, if that is what failed
-
+from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
+from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused, attempt_body
+from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
 
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def sampling_payload(sp: SamplingParams, seed: int | None = None) -> dict:
-    """SGLang ``sampling_params`` of one sample. The seed is cut to 31 bits: some SGLang releases hold it in int32."""
-    payload = {
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k if sp.top_k > 0 else -1,
-        "max_new_tokens": sp.max_new_tokens,
-        "stop_token_ids": list(sp.stop_token_ids),
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the stop token: the policy must learn to emit it
-    }
-    if seed is not None:
-        payload["sampling_seed"] = seed & 0x7FFFFFFF
-    return payload
-
-
-def parse_sample(result: dict, prompt_id: int, sample_index: int, stop_ids=()) -> GeneratedSample:
-    """One SGLang result (``meta_info.output_token_logprobs`` = [[logprob, token_id, text], ...]) as a sample.
-
-    Ids and log-probs both come from ``output_token_logprobs``, so there is exactly one log-prob per id whatever
-    SGLang trims from ``output_ids``. Some SGLang releases check the length limit before the stop tokens, so a reply
-    whose last allowed token is a stop token comes back as "length"; it is complete, and LocalEngine calls it "stop":
-    so do we.
-    """
-    meta = result.get("meta_info") or {}
-    pairs = meta.get("output_token_logprobs")
-    if pairs is None:
-        raise SGLangError(f"response for prompt {prompt_id} has no meta_info.output_token_logprobs "
-                          "(was return_logprob dropped by a proxy?)")
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    ids = [int(p[1]) for p in pairs]
-    if kind == "length" and ids and ids[-1] in stop_ids:
-        kind = "stop"
-    version = meta.get("weight_version")
-    return GeneratedSample(
-        prompt_id=prompt_id,
-        sample_index=sample_index,
-        output_ids=ids,
-        output_logprobs=[float(p[0]) for p in pairs],
-        finish_reason=kind if kind in ("stop", "length") else "abort",
-        weight_version=None if version is None else str(version),
-    )
 
 
 def _served_vocab_size(model_path: str | None) -> int | None:
@@ -126,6 +74,7 @@ class SGLangEngine:
         self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)
         self._run_id = uuid.uuid4().hex[:8]
         self._pool = None
+        self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
@@ -143,10 +92,20 @@ class SGLangEngine:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
             self._wait_healthy(logs, model_path=str(hf_dir))
+        if cfg.deterministic and self.deterministic is not True:
+            self.shutdown()
+            raise SGLangError("deterministic rollouts were asked for, but the servers at "
+                              f"{', '.join(self.urls)} do not report --enable-deterministic-inference")
         if self.deterministic is False:
-            print("[sglang] servers run without --enable-deterministic-inference: sampling_seed is ignored, so "
-                  "rollouts are not reproducible (a resumed stage draws new samples for its missing shards)")
-        self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
+            print("[sglang] deterministic inference is off (the default; --rollout-deterministic turns it on, at a "
+                  "cost in speed): sampling_seed is ignored, so a resumed stage draws new samples for its missing "
+                  "shards")
+        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._transport = AsyncTransport(headers)
+        self._dispatch = Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities])
+        print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
+              + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
 
     # ---- server lifecycle -------------------------------------------------------------------------------------
     def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
@@ -177,6 +136,14 @@ class SGLangEngine:
                 self.shutdown()
                 raise
         self._read_limits(infos, model_path)
+        self.capacities, self.routers = server_capacities(self.urls, infos, self.config.server_concurrency,
+                                                          self._get_or_none)
+
+    def _get_or_none(self, url: str, path: str):
+        try:
+            return self._call(url, path, None, timeout=30.0)
+        except (SGLangError, OSError, http.client.HTTPException, ValueError):
+            return None
 
     def _check_server(self, url: str, model_path: str | None) -> dict:
         """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?"""
@@ -225,6 +192,9 @@ class SGLangEngine:
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._finalizer()
@@ -260,13 +230,8 @@ class SGLangEngine:
         retries, timeout = self.config.max_retries, self.config.request_timeout_s
         for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
-            sent = body
-            if attempt and "rid" in body:
-                rid = body["rid"]
-                rid = [f"{r}-r{attempt}" for r in rid] if isinstance(rid, list) else f"{rid}-r{attempt}"
-                sent = dict(body, rid=rid)
             try:
-                return self._call(url, path, sent, timeout=timeout)
+                return self._call(url, path, attempt_body(body, attempt), timeout=timeout)
             except SGLangError as e:
                 raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
             except TimeoutError as e:
@@ -280,6 +245,26 @@ class SGLangEngine:
             if attempt == retries:
                 raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
             time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _apost_with_retries(self, urls: list[str], path: str, body: dict, what: str):
+        """``_post_with_retries`` on the event loop: the same attempts, servers, request ids, backoff and errors."""
+        delay = self.config.backoff_s
+        retries, timeout = self.config.max_retries, self.config.request_timeout_s
+        for attempt in range(retries + 1):
+            url = urls[attempt % len(urls)]
+            try:
+                return await self._transport.post(url, path, attempt_body(body, attempt), timeout=timeout)
+            except HTTPRefused as e:
+                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
+            except TimeoutError as e:
+                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
+            except (ConnectionError, OSError) as e:
+                error = e
+            if attempt == retries:
+                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
+            await asyncio.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
 
@@ -297,7 +282,7 @@ class SGLangEngine:
         """Raise PromptError naming every prompt the servers would refuse or die on; sends nothing."""
         check_prompts(requests, self.vocab_size, self.max_input_len)
 
-    def _generate_one(self, index: int, req: GenerateRequest) -> list[GeneratedSample]:
+    async def _generate_one(self, req: GenerateRequest) -> list[GeneratedSample]:
         sp = req.sampling
         what = f"/generate for {describe_request(req)}"
         rid = f"megamu-{self._run_id}-{req.prompt_id}-{uuid.uuid4().hex[:6]}"
@@ -307,8 +292,13 @@ class SGLangEngine:
         body = {"input_ids": [req.prompt_ids] * sp.n, "rid": [f"{rid}-{j}" for j in range(sp.n)],
                 "sampling_params": [sampling_payload(sp, sample_seed(seed, req.prompt_id, j)) for j in range(sp.n)],
                 "return_logprob": True, "logprob_start_len": -1, "stream": False}
-        urls = self.urls[index % len(self.urls) :] + self.urls[: index % len(self.urls)]
-        out = self._post_with_retries(urls, "/generate", body, what) if sp.n > 0 else []
+        out = []
+        if sp.n > 0:
+            server = await self._dispatch.acquire(sp.n)  # a slot on the least busy server with room
+            try:  # retries move on to the next servers, as in _post_with_retries
+                out = await self._apost_with_retries(self.urls[server:] + self.urls[:server], "/generate", body, what)
+            finally:
+                self._dispatch.release(server, sp.n)
         results = out if isinstance(out, list) else [out]
         if len(results) != sp.n:
             raise SGLangError(f"{what}: expected {sp.n} samples, got {len(results)}")
@@ -321,13 +311,15 @@ class SGLangEngine:
 
     @property
     def max_in_flight(self) -> int:
-        """Requests the rollout phase keeps submitted: twice the pool's, so a finished request's slot is refilled at
-        once while the phase scores and writes a shard."""
-        return 2 * self.config.max_concurrency
+        """Requests the rollout phase keeps submitted: as many as the sequences the servers are sent, so at least
+        that many requests of any n. Those the servers are not sent yet wait in the dispatcher, and start the moment
+        a slot frees, while the phase scores and writes a shard."""
+        return OVERSUBSCRIPTION * sum(self.capacities)
 
     def submit(self, index: int, request: GenerateRequest) -> Future:
-        """Start one request (its n samples) in the background; the future holds its samples, in order."""
-        return self._pool.submit(self._generate_one, index, request)
+        """Start one request (its n samples) in the background; the future holds its samples, in order. ``index``
+        labels it only: the dispatcher picks the server."""
+        return self._transport.submit(self._generate_one(request))
 
     def generate(self, requests: list[GenerateRequest]) -> list[GeneratedSample]:
         self.check_requests(requests)

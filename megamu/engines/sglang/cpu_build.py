@@ -39,6 +39,6 @@ def cpu_config(port_base: int, log_dir, **overrides) -> SGLangConfig:
     kw = dict(server_python=str(venv / "bin" / "python"), server_env=env,
               extra_server_args=shlex.split(CPU_SERVER_ARGS),
               port_base=port_base, api_key=API_KEY, startup_timeout_s=500, log_dir=str(log_dir), dtype="float32",
-              max_concurrency=16, backoff_s=0.2, max_retries=2, shutdown_grace_s=20)
+              server_concurrency=16, backoff_s=0.2, max_retries=2, shutdown_grace_s=20)
     kw.update(overrides)
     return SGLangConfig(**kw)

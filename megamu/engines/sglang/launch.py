@@ -26,7 +26,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
-WEIGHT_SYNCS = ("disk", "memory")  # /update_weights_from_disk, or an in-memory push
+WEIGHT_SYNCS = ("disk", "memory")
+# SGLang's batch-invariant kernels: only with them is sampling_seed honoured (slower, so opt-in).
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # /update_weights_from_disk, or an in-memory push
 
 
 @dataclass
@@ -46,7 +48,10 @@ class SGLangConfig:
     extra_server_args: list[str] = field(default_factory=list)  # e.g. the CPU flags of shared/sglang-cpu/launch.sh
     log_dir: str | None = None
     startup_timeout_s: float = 600.0
-    max_concurrency: int = 256  # requests in flight over all servers
+    # Sequences each server runs at once (a request of n samples counts n); None: the server's max_running_requests
+    # from /server_info, else 512. A router is given the sum over its workers.
+    server_concurrency: int | None = None
+    deterministic: bool = False  # launch servers with --enable-deterministic-inference (given servers must have it)
     request_timeout_s: float = 3600.0
     max_retries: int = 5
     backoff_s: float = 1.0
@@ -62,7 +67,7 @@ class SGLangConfig:
     def __post_init__(self):
         check_choice(self, "weight_sync", WEIGHT_SYNCS)
         check_choice(self, "sync_backend", ("gloo", "nccl"))
-        check_positive(self, "num_servers", "tp_size", "max_concurrency", "port_base")
+        check_positive(self, "num_servers", "tp_size", "server_concurrency", "port_base")
         check_non_negative(self, "max_retries")
         for name in ("startup_timeout_s", "request_timeout_s", "weight_bucket_mb"):
             if not getattr(self, name) > 0:
@@ -162,7 +167,8 @@ def server_command(cfg: SGLangConfig, hf_dir: str, port: int, index: int, api_ke
     return [cfg.server_python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(hf_dir),
             "--host", cfg.host, "--port", str(port), "--tp-size", str(cfg.tp_size),
             "--base-gpu-id", str(index * cfg.tp_size), "--dtype", cfg.dtype, "--api-key", api_key,
-            *(["--enable-memory-saver"] if cfg.memory_saver else []), *cfg.extra_server_args]
+            *(["--enable-memory-saver"] if cfg.memory_saver else []), *cfg.extra_server_args,
+            *([DETERMINISTIC_FLAG] if cfg.deterministic and DETERMINISTIC_FLAG not in cfg.extra_server_args else [])]
 
 
 def advertised_host(host: str) -> str:

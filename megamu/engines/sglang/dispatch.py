@@ -1,0 +1,116 @@
+"""Which server takes the next /generate request, and how many sequences each server is sent at once.
+
+A server's capacity is counted in sequences (a request of n samples holds n), as SGLang's scheduler counts its
+running batch against ``max_running_requests``; each server is sent ``OVERSUBSCRIPTION`` times that, so its decode
+batch stays full. Requests go to the server with the fewest outstanding sequences among those with room; the others wait
+here, first come first served, so requests start in the order the rollout phase submitted them (shard order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+# Sequences in flight per server when neither the flag nor the server says: slime's --sglang-server-concurrency default.
+DEFAULT_SERVER_CONCURRENCY = 512
+# Sequences sent to a server per sequence it runs. A group of n samples goes as one request and holds its n slots here
+# until its last sample ends, while the server frees each sample's slot as soon as that sample ends: sending exactly
+# the capacity would leave the batch short by the samples already finished in unfinished groups (about 28% with
+# lengths uniform in [L/2, 3L/2] and n = 8: bench/rollout_client.py). SGLang queues the surplus and admits it at its
+# next step, so a second capacity's worth keeps the batch full; it costs the server no KV cache until admitted.
+OVERSUBSCRIPTION = 2
+
+
+def server_capacity(info: dict | None) -> int | None:
+    """``max_running_requests`` as a server's /server_info reports it, or None when it reports none.
+
+    SGLang's /server_info merges the launch arguments (top level; None unless the flag was given) with the
+    scheduler's state (``internal_states``, where the value the scheduler settled on appears); the latter wins."""
+    if not isinstance(info, dict):
+        return None
+    states = info.get("internal_states")
+    sources = [s for s in states if isinstance(s, dict)] if isinstance(states, list) else []
+    for source in [*sources, info]:
+        value = source.get("max_running_requests")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def server_capacities(urls: list[str], infos: list[dict], override: int | None,
+                      get: Callable[[str, str], Any]) -> tuple[list[int], list[str]]:
+    """Each URL's capacity in sequences, and the URLs that are sglang-routers (they answer /list_workers with their
+    workers' URLs; an SGLang server answers 404). A server's capacity is ``override``, else its /server_info's,
+    else the default; a router's is the sum over its workers, each asked directly. ``get(url, path)`` returns the
+    JSON answer, or None when there is none."""
+    capacity = lambda info: override or server_capacity(info) or DEFAULT_SERVER_CONCURRENCY
+    out, routers = [], []
+    for url, info in zip(urls, infos):
+        listed = get(url, "/list_workers")
+        workers = listed.get("urls") if isinstance(listed, dict) else None
+        if not isinstance(workers, list):
+            out.append(capacity(info))
+            continue
+        routers.append(url)
+        out.append(sum(capacity(get(str(w).rstrip("/"), "/server_info")) for w in workers) or capacity(None))
+    return out, routers
+
+
+class Dispatcher:
+    """Per-server outstanding sequences, capped at each server's capacity; lives on one asyncio loop (not
+    thread-safe: call it from that loop only)."""
+
+    def __init__(self, capacities: list[int]):
+        if not capacities or any(c < 1 for c in capacities):
+            raise ValueError(f"every server needs a capacity >= 1, got {capacities}")
+        self.capacities = list(capacities)
+        self.outstanding = [0] * len(capacities)
+        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+
+    def pick(self, n: int) -> int | None:
+        """The server with the fewest outstanding sequences that has room for ``n`` more (lowest index on a tie), or
+        None. A request larger than a whole server's capacity goes to an idle server rather than never."""
+        best = None
+        for i, (out, cap) in enumerate(zip(self.outstanding, self.capacities)):
+            if (out + n <= cap or out == 0) and (best is None or out < self.outstanding[best]):
+                best = i
+        return best
+
+    async def acquire(self, n: int) -> int:
+        """Wait for room for ``n`` sequences, in arrival order; returns the server, holding ``n`` of its slots."""
+        if not self._waiting:
+            server = self.pick(n)
+            if server is not None:
+                self.outstanding[server] += n
+                return server
+        slot: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting.append((n, slot))
+        try:
+            return await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():  # granted just as it was cancelled: give the slots back
+                self.release(slot.result(), n)
+            else:
+                if (n, slot) in self._waiting:  # _grant may have dropped it already
+                    self._waiting.remove((n, slot))
+                self._grant()  # it may have blocked smaller requests behind it
+            raise
+
+    def release(self, server: int, n: int) -> None:
+        self.outstanding[server] -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting:
+            n, slot = self._waiting[0]
+            if slot.done():  # cancelled while waiting: acquire removes it
+                self._waiting.popleft()
+                continue
+            server = self.pick(n)
+            if server is None:
+                return
+            self._waiting.popleft()
+            self.outstanding[server] += n
+            slot.set_result(server)

@@ -25,9 +25,29 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from megamu.engines.sglang.weight_sync import buckets, flatten
-
 _CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (stable for years)
+
+
+def buckets(state_dict: dict, bucket_bytes: int) -> list[list[str]]:
+    """Names in order, cut into buckets of about ``bucket_bytes`` and of one dtype each (SGLang's flattened bucket
+    places tensors back to back, so each must start at a multiple of its element size)."""
+    out, current, size, dtype = [], [], 0, None
+    for name, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if current and (size + nbytes > bucket_bytes or t.dtype != dtype):
+            out.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+        dtype = t.dtype
+    if current:
+        out.append(current)
+    return out
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` back to back, as SGLang's FlattenedTensorBucket expects them."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def transport(shares_trainer_devices: bool, backend: str) -> str:

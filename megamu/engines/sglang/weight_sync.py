@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megamu.engines.sglang.tensor_sync import buckets, flatten, send_tensors, transport
 from megamu.net import free_port
 from megamu.weights import LogprobProbe
 
@@ -106,28 +107,6 @@ def compare_probe(probe: LogprobProbe, served: list[float], what: str) -> float:
                              f"(> {probe.tolerance}); worst: probe token {worst + 1}, {served[worst]:.6f} vs "
                              f"{probe.logprobs[worst]:.6f}")
     return mean
-
-
-def buckets(state_dict: dict, bucket_bytes: int) -> list[list[str]]:
-    """Names in order, cut into buckets of about ``bucket_bytes`` and of one dtype each (SGLang's flattened bucket
-    places tensors back to back, so each must start at a multiple of its element size)."""
-    out, current, size, dtype = [], [], 0, None
-    for name, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        if current and (size + nbytes > bucket_bytes or t.dtype != dtype):
-            out.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-        dtype = t.dtype
-    if current:
-        out.append(current)
-    return out
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of ``tensors`` back to back, as SGLang's FlattenedTensorBucket expects them."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def open_weight_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
@@ -250,8 +229,6 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
         new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
         check_layout(new, running, engine.server_dtype, "in-memory weights")
         try:
-            from megamu.engines.sglang.tensor_sync import send_tensors, transport
-
             if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
                 sent, mode = send_tensors(engine, state_dict, version), "memory (tensor)"
             else:

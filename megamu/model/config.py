@@ -133,6 +133,33 @@ def recompute_fields(granularity: str | None) -> dict:
     return {"recompute_granularity": "selective"}
 
 
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion")
+
+
+
+
+def fusion_fields(transformer_impl: str) -> dict[str, bool]:
+    """Megatron's kernel fusions, decided with the layer spec: on with Transformer Engine, as Megatron-LM's training
+    defaults have them (fused SwiGLU, bias-dropout-add, masked softmax, TE's fused RoPE, weight gradients accumulated
+    inside the GEMM into the DDP buffer's main_grad); all off on the local spec, whose CPU path has none of those
+    kernels (PortableAttention applies RoPE and softmax itself).
+
+    Weight-gradient fusion also covers megatron's own output layer (a ColumnParallelLinear), which needs apex's
+    fused_weight_gradient_mlp_cuda and refuses to build without it; the TE layers do it natively. So it is on only
+    where that extension imports (the image's optional apex), as Megatron-LM users turn it off without apex."""
+    if transformer_impl == "local":
+        return dict.fromkeys(FUSIONS, False)
+    if transformer_impl != "transformer_engine":
+        raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected local or "
+                         "transformer_engine")
+    import importlib.util
+
+    fields = dict.fromkeys(FUSIONS, True)
+    fields["gradient_accumulation_fusion"] = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return fields
+
+
 def transformer_config(
     arch: ModelArch,
     *,
@@ -145,8 +172,6 @@ def transformer_config(
     use_cpu_initialization: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
-
-    from megamu.model.spec import fusion_fields
 
     arch.check_tp(tp)
     return TransformerConfig(

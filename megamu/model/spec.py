@@ -99,30 +99,6 @@ class PortableAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
-           "gradient_accumulation_fusion")
-
-
-def fusion_fields(transformer_impl: str) -> dict[str, bool]:
-    """Megatron's kernel fusions, decided with the layer spec: on with Transformer Engine, as Megatron-LM's training
-    defaults have them (fused SwiGLU, bias-dropout-add, masked softmax, TE's fused RoPE, weight gradients accumulated
-    inside the GEMM into the DDP buffer's main_grad); all off on the local spec, whose CPU path has none of those
-    kernels (PortableAttention applies RoPE and softmax itself).
-
-    Weight-gradient fusion also covers megatron's own output layer (a ColumnParallelLinear), which needs apex's
-    fused_weight_gradient_mlp_cuda and refuses to build without it; the TE layers do it natively. So it is on only
-    where that extension imports (the image's optional apex), as Megatron-LM users turn it off without apex."""
-    if transformer_impl == "local":
-        return dict.fromkeys(FUSIONS, False)
-    if transformer_impl != "transformer_engine":
-        raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected one of {IMPLS}")
-    import importlib.util
-
-    fields = dict.fromkeys(FUSIONS, True)
-    fields["gradient_accumulation_fusion"] = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    return fields
-
-
 def layer_spec(arch: ModelArch, transformer_impl: str):
     if transformer_impl == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -29,7 +29,7 @@ from megamu.convert.tp import gather_tensor, shard_tensor
 from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.model.spec import canonical_param_name
-from megamu.training.checkpoint import (
+from megamu.training.checkpoint_dirs import (
     TRACKER,
     CheckpointError,
     _raise_any,

@@ -4,8 +4,7 @@ import importlib.util
 
 import pytest
 
-from megamu.model.config import ModelArch, transformer_config
-from megamu.model.spec import FUSIONS, fusion_fields
+from megamu.model.config import FUSIONS, ModelArch, fusion_fields, transformer_config
 from megamu.tiny import tiny_hf_config
 
 

@@ -1,0 +1,101 @@
+"""What megamu's checkpoint formats share (the torch_dist one in checkpoint.py, the previous layout in
+checkpoint_legacy.py): the iter_N folders and their tracker, retention, every rank's RNG state, and errors gathered
+from every rank so that all of them raise together."""
+
+from __future__ import annotations
+
+import base64
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megamu import parallel
+from megamu.atomic import remove_dir
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if parallel.device().is_cuda:
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    as_tensor = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(as_tensor(state["torch"]))
+    if "cuda" in state and parallel.device().is_cuda:
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _raise_any(errors: list, what: str) -> None:
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
+
+
+def _iterations(save_dir: Path) -> dict[int, Path]:
+    found = {}
+    for d in save_dir.glob("iter_*"):
+        number = d.name[len("iter_"):]
+        if d.is_dir() and number.isdigit():
+            found[int(number)] = d
+    return found
+
+
+def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0: delete none) and leftovers of interrupted saves.
+
+    The one the tracker names is never deleted. A folder is first renamed out of the ``iter_*`` namespace, then
+    removed, so a crash mid-delete leaves no half checkpoint that looks loadable. Returns the deleted folders.
+    """
+    save_dir = Path(save_dir)
+    current = latest_iteration(save_dir)
+    found = _iterations(save_dir)
+    doomed = sorted(found)[:-keep] if keep > 0 else []
+    doomed = [found[i] for i in doomed if i != current]
+    # temp/old folders of atomic_dir and half deletions, left by a killed run (one run writes a save_dir at a time)
+    doomed += [d for d in save_dir.glob(".iter_*") if d.is_dir()]
+    for d in doomed:
+        remove_dir(d)
+    return doomed
+
+
+def latest_iteration(load_dir: str | Path) -> int | None:
+    """The iteration the tracker names; None when ``load_dir`` holds no checkpoint at all."""
+    tracker = Path(load_dir) / TRACKER
+    if not tracker.exists():
+        if any(Path(load_dir).glob("iter_*")):
+            raise CheckpointError(f"{tracker} is missing but {load_dir} holds iter_* folders; point --load at one "
+                                  f"of them by writing its number into {TRACKER}")
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)

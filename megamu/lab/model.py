@@ -31,6 +31,7 @@ CACHE = Path(os.environ.get("MEGAMU_CACHE", Path.home() / ".cache" / "megamu"))
 
 @dataclass(frozen=True)
 class LabSpec:
+    family: str = "llama"  # the only one: see hf_config
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4
@@ -54,6 +55,8 @@ def hf_config(spec: LabSpec, vocab_size: int):
     # char vocabulary's newline and space; a llama folder keeps the saved tokenizer as it is.
     from transformers import LlamaConfig
 
+    if spec.family != "llama":
+        raise ValueError(f"lab model family {spec.family!r}: only 'llama' keeps the char tokenizer intact")
     return LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
                        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -37,11 +37,15 @@ RULES = """\
 - **learned**: the best held-out accuracy of the run's evaluations (update 0 excluded) >= base + 2 SE(base).
 - **collapsed**: the final held-out accuracy < base - 3 SE(base), or < half the run's best accuracy.
 - **lr rule**: the largest swept lr at which `grpo` at μ = 4 learned and did not collapse.
-- *late E[ρ|A<0]*: the median of the per-update E[ρ|A<0] over the last quarter of the updates (one minibatch holds
-  few A < 0 tokens, so a single update's value is noisy). It *falls* when <= 0.8 and is *near 1* in (0.8, 1.25).
+- *stage-end E[ρ|A<0]*: the lowest, over the run's rollout stages, of the median per-update E[ρ|A<0] over the last
+  quarter of that stage's updates (one minibatch holds few A < 0 tokens, so a single update's value is noisy; β is
+  reset at each stage, so the drift shows at the end of the stage where it happens). It *falls* when <= 0.8 and is
+  *near 1* in (0.8, 1.25). (Changed before the headline runs, after two probe runs at lr 1e-4, μ = 64, 256 updates,
+  which are not in this report: the first rule, the median over the run's last quarter, read a run that had
+  collapsed in its first stage at 0.98, because later stages of a collapsed run have few mixed-reward groups.)
 - (a) holds when `grpo-relaxed` collapsed; (b) when `mu-grpo-trigger` collapsed; (c) when none of
   `mu-grpo-nontrigger-suffix`, `mu-grpo-suffix`, `mu-grpo` collapsed (all at the headline μ); (d) when every
-  collapsed staged run's late E[ρ|A<0] falls and every stable staged run with clip [0, 5] has it near 1; (e) when
+  collapsed staged run's stage-end E[ρ|A<0] falls and every stable staged run with clip [0, 5] has it near 1; (e) when
   `mu-grpo` at the headline μ has a final accuracy >= `grpo` at μ = 4's minus 2 SE of the difference; (f) when
   `grpo-high-staleness`'s final accuracy is below both `grpo`'s and `mu-grpo`'s by more than 2 SE of the difference.
   With several seeds, a method collapsed when most of its seeds did; accuracies are seed means and the SE of a mean
@@ -69,6 +73,7 @@ class RunResult:
     train_s: float = math.nan
     series: dict[str, list[float]] = field(default_factory=dict)
     stage_truncation: list[float] = field(default_factory=list)
+    stage_of_update: list[int] = field(default_factory=list)
 
     @staticmethod
     def load(save: Path, note: str) -> RunResult:
@@ -80,7 +85,8 @@ class RunResult:
         return RunResult(save=save, method=rec["method"], mu=rec["mu"], seed=rec["seed"], lr=rec["lr"],
                          updates=len(ups), samples=samples, evals=rec["evals"], note=note, train_s=rec["train_s"],
                          series={k: [_num(r.get(k)) for r in ups] for k, _ in PANELS},
-                         stage_truncation=[_num(s.get("truncation_rate")) for s in stages])
+                         stage_truncation=[_num(s.get("truncation_rate")) for s in stages],
+                         stage_of_update=[r["stage"] for r in ups])
 
     @property
     def n(self) -> int:
@@ -110,6 +116,18 @@ class RunResult:
         values = [v for v in self.series.get(key, []) if math.isfinite(v)]
         return statistics.median(values[-max(len(values) // 4, 1):]) if values else math.nan
 
+    def stage_end(self, key: str = "ratio_neg_adv_mean") -> float:
+        """The lowest over stages of the median of ``key`` over each stage's last quarter of updates."""
+        by: dict[int, list[float]] = {}
+        for st, v in zip(self.stage_of_update, self.series.get(key, [])):
+            by.setdefault(st, []).append(v)
+        ends = []
+        for values in by.values():
+            tail = [v for v in values[-max(len(values) // 4, 1):] if math.isfinite(v)]
+            if tail:
+                ends.append(statistics.median(tail))
+        return min(ends) if ends else math.nan
+
     def extreme(self, key: str, fn=min) -> float:
         values = [v for v in self.series.get(key, []) if math.isfinite(v)]
         return fn(values) if values else math.nan
@@ -123,7 +141,7 @@ def summary_rows(runs: list[RunResult]) -> list[dict]:
     return [{"method": r.method, "mu": r.mu, "seed": r.seed, "lr": r.lr, "updates": r.updates, "samples": r.samples,
              "base_accuracy": r.base, "final_accuracy": r.final, "best_accuracy": r.best, "held_out": r.n,
              "learned": r.learned, "collapsed": r.collapsed,
-             "late_ratio_neg_adv": _finite(r.late("ratio_neg_adv_mean")),
+             "stage_end_ratio_neg_adv": _finite(r.stage_end()),
              "final_truncated": r.evals[-1]["truncated"], "train_s": r.train_s} for r in runs]
 
 
@@ -203,14 +221,14 @@ def verdicts(runs: list[RunResult], lr: float, mu: int, low_mu: int) -> list[str
     near = [r for r in staged if not r.collapsed and r.method in relaxed]
 
     def d_holds() -> bool:
-        return all(r.late("ratio_neg_adv_mean") <= LATE_FALLS for r in falls) and \
-            all(LATE_NEAR[0] < r.late("ratio_neg_adv_mean") < LATE_NEAR[1] for r in near)
+        return all(r.stage_end() <= LATE_FALLS for r in falls) and \
+            all(LATE_NEAR[0] < r.stage_end() < LATE_NEAR[1] for r in near)
 
     out.append(say("(d) E[ρ|A<0] falls in collapsed runs and stays near 1 in stable ones:",
                    [None] if not staged else [], d_holds,
-                   lambda: "collapsed: " + (", ".join(f"{r.method} s{r.seed} {r.late('ratio_neg_adv_mean'):.3f}"
+                   lambda: "collapsed: " + (", ".join(f"{r.method} s{r.seed} {r.stage_end():.3f}"
                                                      for r in falls) or "none")
-                   + "; stable, clip [0, 5]: " + (", ".join(f"{r.method} s{r.seed} {r.late('ratio_neg_adv_mean'):.3f}"
+                   + "; stable, clip [0, 5]: " + (", ".join(f"{r.method} s{r.seed} {r.stage_end():.3f}"
                                                            for r in near) or "none")))
 
     def diff(x: Group, y: Group) -> tuple[float, float]:
@@ -234,14 +252,14 @@ def _fmt(x: float, spec: str) -> str:
 
 def table(runs: list[RunResult]) -> list[str]:
     lines = ["| method | μ | seed | lr | updates | samples | held-out acc base / best / **final** | learned | "
-             "collapsed | late E[ρ\\|A<0] | min log ρ | clip frac (mean) | veto tok / seq (mean) | KL (max) | "
+             "collapsed | stage-end E[ρ\\|A<0] | min log ρ | clip frac (mean) | veto tok / seq (mean) | KL (max) | "
              "entropy (late) | length (late) | held-out truncated (final) | trainer s |", "|" + "---|" * 18]
     for r in sorted(runs, key=lambda r: (r.lr, r.method, r.mu, r.seed)):
         mean = {k: statistics.mean([v for v in r.series[k] if math.isfinite(v)] or [math.nan]) for k, _ in PANELS}
         lines.append(
             f"| {r.method} | {r.mu} | {r.seed} | {r.lr:g} | {r.updates} | {r.samples} | {r.base:.3f} / "
             f"{_fmt(r.best, '.3f')} / **{r.final:.3f}** | {'yes' if r.learned else 'no'} | "
-            f"{'**yes**' if r.collapsed else 'no'} | {_fmt(r.late('ratio_neg_adv_mean'), '.3f')} | "
+            f"{'**yes**' if r.collapsed else 'no'} | {_fmt(r.stage_end(), '.3f')} | "
             f"{_fmt(r.extreme('log_ratio_min'), '.1f')} | {_fmt(mean['clip_fraction'], '.4f')} | "
             f"{_fmt(mean['veto_token_fraction'], '.4f')} / {_fmt(mean['veto_sequence_fraction'], '.3f')} | "
             f"{_fmt(r.extreme('approx_kl', max), '.3f')} | {_fmt(r.late('entropy'), '.3f')} | "

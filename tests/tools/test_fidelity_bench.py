@@ -22,7 +22,7 @@ def _run(method: str, accs: list[float], mu: int = 256, lr: float = 1e-4, ratio:
     evals = [{"update": 64 * i, "accuracy": a, "n": n, "mean_length": 46.0, "truncated": 0.0}
              for i, a in enumerate(accs)]
     return RunResult(save=Path("."), method=method, mu=mu, seed=1, lr=lr, updates=1024, samples=16384, evals=evals,
-                     series={"ratio_neg_adv_mean": [ratio] * 100})
+                     series={"ratio_neg_adv_mean": [ratio] * 100}, stage_of_update=[i // 25 for i in range(100)])
 
 
 def test_learned_and_collapsed_follow_the_stated_rules():
@@ -111,3 +111,10 @@ def test_a_second_sitting_reads_finished_runs_back(quick):
     out, first, again = quick
     assert again.stdout.count("finished run found: read back") == 9
     assert first.stdout.count("μ = ") == 9 and again.stdout.count("μ = ") == 0  # nothing trained the second time
+
+
+def test_stage_end_ratio_is_the_lowest_stage_end_median():
+    r = _run("grpo-relaxed", [0.5, 0.1])
+    # 4 stages of 25 updates; stage 1 drifts to 0.5 over its last quarter, then β is reset and ρ is back at 1
+    r.series["ratio_neg_adv_mean"] = [1.0] * 25 + [1.0] * 18 + [0.5] * 7 + [1.0] * 25 + [1.0, math.nan] * 12 + [1.0]
+    assert r.stage_end() == 0.5 and r.late("ratio_neg_adv_mean") == 1.0

@@ -9,7 +9,7 @@ works from the rightmost column to the left, one line per column, ``digit+digit+
     4+3+1=8
     \\boxed{8728}
 
-Four-digit operands give replies of 45-46 characters (one token each with the char tokenizer), so responses have a
+Four-digit operands give replies of 44-49 characters (one token each with the char tokenizer), so responses have a
 prefix (the column sums) and a suffix (the read-back and the box) like the paper's reasoning traces, and a wrong
 answer can come from any step. The answer is an integer, so the trainer's math reward (last \\boxed{}) scores it.
 """

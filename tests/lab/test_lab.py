@@ -35,13 +35,18 @@ def test_solution_is_column_addition_that_ends_in_the_sum(digits):
         assert int(str(carry) + "".join(map(str, reversed(written)))) == a + b
 
 
-def test_replies_are_45_to_46_tokens_and_the_trainers_reward_agrees_with_the_lab_check():
+def test_replies_are_44_to_49_tokens_and_the_trainers_reward_agrees_with_the_lab_check():
+    lengths = set()
     for a, b in problems(200, seed=5):
         text = solution(a, b)
-        assert len(text) in (45, 46)  # one char token each; 46 when the sum has a fifth digit
+        # one char token each: 4 lines "x+y+c=s" (7 chars, 8 when s >= 10), 4 newlines, "\boxed{}" and the sum
+        carries = sum(int(t.split("=")[1]) >= 10 for t in text.split("\n")[:4])
+        assert len(text) == 4 * 7 + carries + 4 + 8 + len(str(a + b))
+        lengths.add(len(text))
         assert correct(text, str(a + b)) and math_score(text, str(a + b)) == 1.0
         wrong = text.replace(f"{{{a + b}}}", f"{{{a + b + 1}}}")
         assert not correct(wrong, str(a + b)) and math_score(wrong, str(a + b)) == 0.0
+    assert min(lengths) >= 44 and max(lengths) <= 49
     assert boxed("no box") is None and boxed("\\boxed{12") is None
 
 

@@ -253,7 +253,9 @@ def _fmt(x: float, spec: str) -> str:
 def table(runs: list[RunResult]) -> list[str]:
     lines = ["| method | μ | seed | lr | updates | samples | held-out acc base / best / **final** | learned | "
              "collapsed | stage-end E[ρ\\|A<0] | min log ρ | clip frac (mean) | veto tok / seq (mean) | KL (max) | "
-             "entropy (late) | length (late) | held-out truncated (final) | trainer s |", "|" + "---|" * 18]
+             "entropy (late) | length (late) | rollout truncated (max stage) | held-out truncated (final) | "
+             "trainer s |",
+             "|" + "---|" * 19]
     for r in sorted(runs, key=lambda r: (r.lr, r.method, r.mu, r.seed)):
         mean = {k: statistics.mean([v for v in r.series[k] if math.isfinite(v)] or [math.nan]) for k, _ in PANELS}
         lines.append(
@@ -263,7 +265,8 @@ def table(runs: list[RunResult]) -> list[str]:
             f"{_fmt(r.extreme('log_ratio_min'), '.1f')} | {_fmt(mean['clip_fraction'], '.4f')} | "
             f"{_fmt(mean['veto_token_fraction'], '.4f')} / {_fmt(mean['veto_sequence_fraction'], '.3f')} | "
             f"{_fmt(r.extreme('approx_kl', max), '.3f')} | {_fmt(r.late('entropy'), '.3f')} | "
-            f"{_fmt(r.late('response_length_mean'), '.1f')} | {r.evals[-1]['truncated']:.3f} | "
+            f"{_fmt(r.late('response_length_mean'), '.1f')} | {_fmt(max(r.stage_truncation, default=math.nan), '.3f')}"
+            f" | {r.evals[-1]['truncated']:.3f} | "
             f"{r.train_s:.0f} |")
     return lines
 

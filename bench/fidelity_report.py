@@ -336,7 +336,8 @@ def write_report(a, runs: list[RunResult]) -> None:
     else:
         out += ["Not run yet (it needs the three methods at two or more μ; "
                 "`bench/fidelity.py --mu 4 64 ... --methods grpo-high-staleness grpo-relaxed mu-grpo`).", ""]
-    swept = [r for r in runs if r.method == "grpo" and r.mu == low]
+    grpo_runs = [r for r in runs if r.method == "grpo" and r.mu == low]
+    swept = [r for r in grpo_runs if r.seed == min(x.seed for x in grpo_runs)]  # the sweep ran on one seed
     out += ["## Learning-rate sweep (the rule that chose the lr)", ""]
     if swept:
         out += ["| lr | base | best | final | learned | collapsed | KL (max) | held-out truncated (final) |",

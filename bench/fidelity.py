@@ -147,8 +147,7 @@ def evaluate(a: argparse.Namespace, key: RunKey, model: Path, train_s: float) ->
     (save / "lab_eval.json").write_text(json.dumps(record, indent=1))
 
 
-def run_all(a: argparse.Namespace, keys: list[RunKey], model: Path, train_file: Path) -> list[RunResult]:
-    results: list[RunResult] = []
+def run_all(a: argparse.Namespace, keys: list[RunKey], model: Path, train_file: Path) -> None:
     for key in keys:
         save = run_dir(a, key)
         if is_done(save):
@@ -159,12 +158,10 @@ def run_all(a: argparse.Namespace, keys: list[RunKey], model: Path, train_file: 
             except RuntimeError as e:  # one run's failure must not lose the others' results
                 print(f"[{key.name}] FAILED: {e}", flush=True)
                 continue
-        results.append(RunResult.load(save, key.method.note))
-        write_outputs(a, results)
-    return results
+        write_outputs(a)
 
 
-def write_outputs(a: argparse.Namespace, results: list[RunResult]) -> None:
+def write_outputs(a: argparse.Namespace) -> None:
     """summary.json over every finished run under OUT (not only this invocation's), then the report."""
     everything = [RunResult.load(d.parent, "") for d in sorted((a.out / "runs").glob("*/*/lab_eval.json"))]
     notes = {m.label: m.note for m in METHODS}
@@ -196,6 +193,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--sweep", action="store_true", help="the lr sweep: grpo at μ = --low-mu, at each --sweep-lrs")
     p.add_argument("--sweep-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4, 1e-3])
     p.add_argument("--sweep-dir", type=Path, default=None, help="a --sweep --out folder: its table and its lr")
+    p.add_argument("--report-only", action="store_true", help="train nothing: the report from the finished runs")
     p.add_argument("--notes", type=Path, default=None, help="hand-written markdown included in the report as is")
     a, extra = p.parse_known_args(argv)
     if a.quick:
@@ -237,7 +235,10 @@ def main(argv: list[str] | None = None) -> None:
             a.lr = chosen_lr(a.sweep_dir)
         keys = [RunKey(BY_LABEL[label], mu, seed, a.lr) for seed in a.seeds for label in a.methods
                 for mu in ([a.low_mu] if BY_LABEL[label].low else a.mu)]
-    run_all(a, keys, model, train_file)
+    if a.report_only:
+        write_outputs(a)
+    else:
+        run_all(a, keys, model, train_file)
     print(f"summary: {a.out / 'summary.json'}" + ("" if a.sweep else f"; report: {a.report}"), flush=True)
 
 

@@ -351,6 +351,7 @@ def write_report(a, runs: list[RunResult]) -> None:
             out += [f"![lr sweep]({fig_dir.name}/sweep.png)", ""]
     else:
         out += ["No sweep runs in this folder.", ""]
+    out += other_lrs(a, runs, fig_dir, mu, low)
     if getattr(a, "notes", None) is not None:
         out += [f"## Reading (hand-written: `{a.notes}`)", "", a.notes.read_text().strip(), ""]
     out += ["## History", "", "The previous report (`docs/fidelity-135m.md`, SmolLM2-135M, 12 updates per method at "
@@ -359,3 +360,23 @@ def write_report(a, runs: list[RunResult]) -> None:
             "could not show the paper's mechanism. Here the staleness is real (μ updates on one static dataset) and "
             "the lr is the largest at which standard GRPO is stable.", ""]
     a.report.write_text("\n".join(out) + "\n")
+
+
+def other_lrs(a, runs: list[RunResult], fig_dir: Path, mu: int, low: int) -> list[str]:
+    """Runs of methods other than the sweep's at learning rates the rule did not choose: shown, never used above."""
+    import fidelity_figures as figs
+
+    lrs = sorted({r.lr for r in runs if r.lr != a.lr and r.method != "grpo"})
+    if not lrs:
+        return []
+    out = ["## Other learning rates (outside the rule; no verdict above uses them)", ""]
+    for lr in lrs:
+        at = [r for r in runs if r.lr == lr and (r.method != "grpo" or r.mu == low)]
+        out += [f"### lr {lr:g}", "", *table(at), "", "The same rules applied at this lr, for reading only:", "",
+                *[f"- {v}" for v in verdicts(at, lr, mu, low)], ""]
+        by = {r.method: r for r in sorted(at, key=lambda r: -r.seed) if r.mu in (mu, low)}
+        name = f"scopes_lr{lr:g}.png"
+        if figs.fig3([by[m] for m in ("grpo", "grpo-high-staleness", *SCOPES) if m in by], fig_dir / name,
+                     f"lr {lr:g}: accuracy and E[ρ|A<0]"):
+            out += [f"![accuracy and E[ρ|A<0] at lr {lr:g}]({fig_dir.name}/{name})", ""]
+    return out

@@ -14,10 +14,16 @@ greedy decoding (megamu/lab/evaluate.py), then deletes the exports and checkpoin
 run and its evaluation is read back, not rerun, so seeds and staleness points can be added over several sittings.
 ``OUT/summary.json`` has one row per run; the report (``--report``, default OUT/fidelity.md) is rewritten after each.
 
-    bench/fidelity.py --sweep --out OUT --sweep-lrs 3e-5 1e-4 3e-4 1e-3      # the lr rule: grpo at μ = --low-mu
-    bench/fidelity.py --out OUT --lr LR --mu 256 --report docs/fidelity.md   # the headline set
-    bench/fidelity.py --out OUT --lr LR --mu 4 64 256 --methods grpo-high-staleness grpo-relaxed mu-grpo
-    bench/fidelity.py --out OUT --lr LR --mu 256 --seeds 1 2 3 --methods grpo grpo-relaxed mu-grpo
+What docs/fidelity.md ran (OUT = runs/fidelity; one staged run of 1024 updates took 3-8 min on one core):
+
+    bench/fidelity.py --sweep --out OUT --mu 256 --sweep-lrs 3e-4 1e-4 3e-5   # the lr rule: grpo at μ = --low-mu
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256                      # the headline set at the rule's lr
+    bench/fidelity.py --out OUT --lr 3e-5 --mu 256 --methods grpo-relaxed mu-grpo mu-grpo-trigger grpo-high-staleness
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --report-only --report docs/fidelity.md \\
+        --notes docs/fidelity/reading.md
+
+and what a later sitting adds (finished runs are read back): the staleness curve, ``--mu 16 64 256 --methods
+grpo-high-staleness grpo-relaxed mu-grpo``; seeds, ``--seeds 1 2 3 --methods grpo grpo-relaxed mu-grpo``.
 
 ``--quick`` is the smoke run of the suite: a lab model of a few hundred weights built in seconds, 4 updates per run.
 Flags this script does not know go to pretrain_mu_grpo.py unchanged. Runs are serial; each trainer gets one thread.

@@ -38,7 +38,7 @@ def _ratio_axis(ax) -> None:
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0, 8.0, 9.0)))  # 0.8, 0.9 labelled
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.axhline(1.0, color="grey", linewidth=0.6)

@@ -1,43 +1,43 @@
-"""The paper's mechanism on CPU (§3, Fig. 2-3, App. C.2, Table 1 ordering): every method at the same rollout budget.
+"""The paper's Figures 2-3 at the paper's staleness, on the lab model (megamu/lab): every method, same samples.
 
-Runs ``pretrain_mu_grpo.py`` (through ``bench/learning.py``'s ``run_preset``) once per method, on the demo's
-SmolLM2-135M-Instruct and two-digit addition unless --hf-checkpoint / --prompt-data say otherwise, all with the same
-data, seed, learning rate, prompts per update, samples per prompt and total updates (so the same number of rollout
-samples), and the same held-out problems:
+Runs ``pretrain_mu_grpo.py`` (the real trainer, local engine, the math reward on the last \\boxed{}) on the lab model
+and the lab task (column-by-column addition, megamu/lab/task.py), one run per (method, μ, seed), all with the same lr,
+B_mini, G, total updates and so the same rollout samples:
 
-- ``grpo-mu4``: standard GRPO (clip [0.8, 1.2]) at μ = --low-mu, colocated (the engine refreshed in place);
-- at μ = --mu (staged, --num-stages stages): ``grpo-high-staleness`` (clip [0.8, 1.2]), ``grpo-relaxed`` (clip [0, 5],
-  no veto: the ablation that drifts, §3.1-3.2), ``mu-grpo`` (clip [0, 5] + sequence veto, τ = 1e-4), ``m2po``, and
-  μ-GRPO with the veto scopes ``trigger``, ``nontrigger_suffix`` and ``suffix`` (§3.3, App. C.2).
+- ``grpo`` at μ = --low-mu, colocated (standard GRPO), and ``mu-grpo-mu4``: μ-GRPO at μ = --low-mu (App. C.4);
+- at each μ of --mu, staged, --updates / μ stages: ``grpo-high-staleness`` (clip [0.8, 1.2]), ``grpo-relaxed``
+  (clip [0, 5], no veto), ``mu-grpo`` (S_seq, τ = 1e-4), ``m2po`` (0.04), and μ-GRPO with the veto scopes
+  ``mu-grpo-trigger`` (T), ``mu-grpo-nontrigger-suffix`` (H_κ) and ``mu-grpo-suffix`` (S_κ) (§3.3, App. C.2).
 
-It writes the report (--report, default OUT/fidelity.md) and its PNG figures in the folder beside it named after it
-(OUT/fidelity/), rewritten after every method so that a stopped run still leaves a report of what finished. A method
-whose run directory already holds a finished run is read back, not rerun (rerun the command to complete a stopped
-run; a half-finished directory is an error: remove it). The full run documented in docs/fidelity.md:
+Each run exports its policy every --eval-every updates; the bench scores every export on the held-out problems with
+greedy decoding (megamu/lab/evaluate.py), then deletes the exports and checkpoints. A run whose folder holds a finished
+run and its evaluation is read back, not rerun, so seeds and staleness points can be added over several sittings.
+``OUT/summary.json`` has one row per run; the report (``--report``, default OUT/fidelity.md) is rewritten after each.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --sweep --out /tmp/fid-sweep --sweep-lrs 1e-4 3e-4 3e-5 1e-5
-    OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --out /tmp/fidelity --report docs/fidelity.md \\
-        --sweep-dir /tmp/fid-sweep --lr 1e-4 --notes docs/fidelity/reading.md
+What docs/fidelity.md ran (OUT = runs/fidelity; one staged run of 1024 updates took 3-8 min on one core):
 
-(about 45 min on one core of the 2-core machine the report names; the sweep about 10 min.)
+    bench/fidelity.py --sweep --out OUT --mu 256 --sweep-lrs 3e-4 1e-4 3e-5   # the lr rule: grpo at μ = --low-mu
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256                      # the headline set at the rule's lr
+    bench/fidelity.py --out OUT --lr 3e-5 --mu 256 --methods grpo-relaxed mu-grpo mu-grpo-trigger grpo-high-staleness
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --report-only --report docs/fidelity.md \\
+        --notes docs/fidelity/reading.md
 
-``--quick`` runs 2 updates per method (a smoke run: the suite runs it on a tiny model). ``--sweep`` runs the
-learning-rate sweep instead (grpo-relaxed at each --sweep-lrs, evaluation off) into --out; pass that folder as
---sweep-dir to a full run to put its table and figure in the report. Flags this script does not know go to
-pretrain_mu_grpo.py unchanged.
+and what a later sitting adds (finished runs are read back): the staleness curve, ``--mu 16 64 256 --methods
+grpo-high-staleness grpo-relaxed mu-grpo``; seeds, ``--seeds 1 2 3 --methods grpo grpo-relaxed mu-grpo``.
 
-Staged methods share their first stage's rollout dataset: β_0 is the base model for all of them and the rollout seed
-and prompts are the same, so they would each generate the same samples; the first one generates it, the others get a
-copy (--no-share-rollout: each generates its own). Wall-clock is charged from the dataset's measured generation
-time either way (see fidelity_report.wall_clock).
+``--quick`` is the smoke run of the suite: a lab model of a few hundred weights built in seconds, 4 updates per run.
+Flags this script does not know go to pretrain_mu_grpo.py unchanged. Runs are serial; each trainer gets one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,156 +45,207 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from fidelity_report import MethodRun, write_report  # noqa: E402
-from learning import run_preset, summarize  # noqa: E402
+from fidelity_report import RunResult, summary_rows, write_report  # noqa: E402
+
+from megamu.lab.model import CACHE, LabSpec, lab_model_dir  # noqa: E402
+from megamu.lab.task import write_split  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Method:
-    label: str  # its run directory under --out
+    label: str
     algorithm: str  # the --algorithm preset
     flags: tuple[str, ...] = ()  # overrides of the preset
-    low_staleness: bool = False  # standard GRPO: μ = --low-mu, colocated
+    low: bool = False  # run at μ = --low-mu, colocated (the engine refreshed in place every μ updates)
     note: str = ""
 
 
-# In run order: the drift ablation and its cure first, so that a run stopped early has answered the main question.
+# In run order: the reference, the collapse ablation and its cure first, so that a sitting stopped early has answered
+# the main question.
 METHODS = (
+    Method("grpo", "grpo", low=True, note="standard GRPO, clip [0.8, 1.2], colocated"),
     Method("grpo-relaxed", "grpo-relaxed", note="clip [0, 5], no veto"),
     Method("mu-grpo", "mu-grpo", note="clip [0, 5] + veto S_seq, τ = 1e-4"),
     Method("grpo-high-staleness", "grpo-high-staleness", note="clip [0.8, 1.2], staged"),
-    Method("grpo-mu4", "grpo", low_staleness=True, note="standard GRPO, clip [0.8, 1.2], colocated"),
-    Method("m2po", "m2po", note="no upper clip, second-moment mask 0.04"),
     Method("mu-grpo-trigger", "mu-grpo", ("--nav-scope", "trigger"), note="clip [0, 5] + veto T (trigger tokens)"),
-    Method("mu-grpo-nontrigger-suffix", "mu-grpo", ("--nav-scope", "nontrigger_suffix"),
-           note="clip [0, 5] + veto H_κ"),
+    Method("mu-grpo-nontrigger-suffix", "mu-grpo", ("--nav-scope", "nontrigger_suffix"), note="clip [0, 5] + veto H_κ"),
     Method("mu-grpo-suffix", "mu-grpo", ("--nav-scope", "suffix"), note="clip [0, 5] + veto S_κ"),
+    Method("m2po", "m2po", note="no upper clip, second-moment mask 0.04"),
+    Method("mu-grpo-mu4", "mu-grpo", low=True, note="μ-GRPO at low staleness (App. C.4), colocated"),
 )
 BY_LABEL = {m.label: m for m in METHODS}
+QUICK_SPEC = LabSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, max_steps=2, eval_every=1, probe_problems=4, target_accuracy=0.0)
 
 
-def schedule(method: Method, a: argparse.Namespace) -> argparse.Namespace:
-    """The run_preset settings of ``method``: every method gets the same updates and rollout samples."""
-    total = a.mu * a.num_stages
-    if method.low_staleness:
-        if total % a.low_mu:
-            raise SystemExit(f"bench/fidelity.py: --low-mu {a.low_mu} must divide --mu x --num-stages = {total}")
-        mu, stages, mode = a.low_mu, total // a.low_mu, "colocated"
-    else:
-        mu, stages, mode = a.mu, a.num_stages, "staged"
-    return argparse.Namespace(mu=mu, num_stages=stages, prompts_per_update=a.prompts_per_update,
-                              n_samples_per_prompt=a.n_samples_per_prompt, eval_prompts=a.eval_prompts,
-                              rollout_mode=mode, seed=a.seed)
+@dataclass(frozen=True)
+class RunKey:
+    method: Method
+    mu: int
+    seed: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.method.label}/mu{self.mu}-s{self.seed}-lr{self.lr:g}"
 
 
-def finished(save: Path) -> bool:
-    from megamu.metrics import read_metrics
-
-    return any(r["kind"] == "run" for r in read_metrics(save))
+def run_dir(a: argparse.Namespace, key: RunKey) -> Path:
+    return a.out / "runs" / key.name
 
 
-def drop_checkpoints(save: Path) -> None:
-    """A finished benchmark run's checkpoints and HF exports (about 2 GB for the demo model) are not needed: the report
-    reads only metrics.jsonl and the rollout manifests, which stay (--keep-checkpoints keeps everything)."""
+def is_done(save: Path) -> bool:
+    """Finished and evaluated: the bench writes lab_eval.json last, after the trainer's final record."""
+    return (save / "lab_eval.json").exists()
+
+
+def train(a: argparse.Namespace, key: RunKey, model: Path, train_file: Path) -> None:
+    save = run_dir(a, key)
+    if save.exists():  # half-finished: the trainer would resume, but the exports of the old part may be gone
+        shutil.rmtree(save)
+    save.mkdir(parents=True)
+    m = key.method
+    stages, mode = a.updates // key.mu, ("colocated" if m.low else "staged")
+    cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--algorithm", m.algorithm, *m.flags,
+           "--hf-checkpoint", str(model), "--prompt-data", str(train_file), "--save", str(save),
+           "--mu", str(key.mu), "--num-stages", str(stages), "--prompts-per-update", str(a.prompts_per_update),
+           "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--rollout-mode", mode, "--seed", str(key.seed),
+           "--lr", f"{key.lr:g}", "--eval-prompts", "0", "--hf-export-interval", str(a.eval_every),
+           "--rollout-max-response-len", str(a.max_response_len), "--save-interval", "0", "--keep-checkpoints", "1",
+           # the local engine decodes 256 rows at once: 2x the samples/s of its default 128 on this model (measured)
+           "--rollout-batch-size", "256", "--rollout-groups-per-shard", "64",
+           *a.extra]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    print(f"[{key.name}] {m.algorithm} {' '.join(m.flags)} μ = {key.mu} x {stages} stages, {mode}", flush=True)
+    t0 = time.perf_counter()
+    with (save / "trainer.log").open("w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = (save / "trainer.log").read_text()[-3000:]
+        raise RuntimeError(f"{key.name}: pretrain_mu_grpo.py failed ({rc}):\n{tail}")
+    evaluate(a, key, model, time.perf_counter() - t0)
+
+
+def evaluate(a: argparse.Namespace, key: RunKey, model: Path, train_s: float) -> None:
+    """Greedy held-out accuracy of the base model and of every export, then the exports and checkpoints go."""
+    from megamu.lab.evaluate import accuracy, load
+    from megamu.lab.task import read_rows
+
+    save = run_dir(a, key)
+    rows = read_rows(a.held_out)
+    base = a.out / "base_eval.json"
+    if not base.exists():  # the same model and problems for every run: scored once
+        m, tok = load(model)
+        base.write_text(json.dumps(accuracy(m, tok, rows, greedy=True, max_new_tokens=a.max_response_len).to_json()))
+    points = [{"update": 0, **json.loads(base.read_text())}]
+    t0 = time.perf_counter()
+    for d in sorted((save / "hf").glob("iter_*"), key=lambda p: int(p.name.split("_")[1])):
+        m, tok = load(d)
+        acc = accuracy(m, tok, rows, greedy=True, max_new_tokens=a.max_response_len)
+        points.append({"update": int(d.name.split("_")[1]), **acc.to_json()})
+    record = {"method": key.method.label, "algorithm": key.method.algorithm, "flags": list(key.method.flags),
+              "mu": key.mu, "seed": key.seed, "lr": key.lr, "updates": a.updates,
+              "stages": a.updates // key.mu, "prompts_per_update": a.prompts_per_update,
+              "n_samples_per_prompt": a.n_samples_per_prompt, "max_response_len": a.max_response_len,
+              "train_s": round(train_s, 1), "eval_s": round(time.perf_counter() - t0, 1), "evals": points}
     for path in [*save.glob("iter_*"), save / "hf"]:
         shutil.rmtree(path, ignore_errors=True)
-    (save / "latest_checkpointed_iteration.txt").unlink(missing_ok=True)
+    (save / "lab_eval.json").write_text(json.dumps(record, indent=1))
 
 
-def run_method(method: Method, a: argparse.Namespace, extra: list[str], shared_stage0: Path | None) -> MethodRun:
-    save = a.out / method.label
-    s = schedule(method, a)
-    flags = [*extra, "--lr", str(a.lr), *method.flags]
-    if finished(save):
-        result = summarize(method.algorithm, save, s, float("nan"))
-        result["wall_s"] = [r for r in result["rows"] if r["kind"] == "run"][-1]["t_total"]  # the trainer's own
-        print(f"[{method.label}] finished run found in {save}: read back", flush=True)
-    else:
-        if save.exists() and any(save.iterdir()):
-            raise SystemExit(f"bench/fidelity.py: {save} holds an unfinished run; remove it to rerun {method.label}")
-        if shared_stage0 is not None and not method.low_staleness:
-            shutil.copytree(shared_stage0, save / "rollouts" / "stage_0")
-        print(f"[{method.label}] running: {method.algorithm} {' '.join(method.flags)} μ = {s.mu} x {s.num_stages} "
-              f"stages, {s.rollout_mode}", flush=True)
-        result = run_preset(method.algorithm, save, s, flags, log=a.out / f"{method.label}.log")
-        if not a.keep_checkpoints:
-            drop_checkpoints(save)
-    return MethodRun(label=method.label, algorithm=method.algorithm, flags=method.flags, note=method.note,
-                     mu=s.mu, num_stages=s.num_stages, rollout_mode=s.rollout_mode, save=save, summary=result)
-
-
-def run_sweep(a: argparse.Namespace, extra: list[str]) -> None:
-    """grpo-relaxed at each --sweep-lrs, evaluation off, one shared stage-0 dataset: how far π_θ drifts from β."""
-    method = BY_LABEL["grpo-relaxed"]
-    s = schedule(method, a)
-    s.eval_prompts = 0
-    saves = [a.out / f"grpo-relaxed-lr{lr:g}" for lr in a.sweep_lrs]
-    shared = next((d / "rollouts" / "stage_0" for d in saves if finished(d)), None)
-    for lr, save in zip(a.sweep_lrs, saves):
-        if finished(save):
-            print(f"[sweep lr {lr:g}] finished run found in {save}", flush=True)
+def run_all(a: argparse.Namespace, keys: list[RunKey], model: Path, train_file: Path) -> None:
+    for key in keys:
+        save = run_dir(a, key)
+        if is_done(save):
+            print(f"[{key.name}] finished run found: read back", flush=True)
         else:
-            if save.exists() and any(save.iterdir()):
-                raise SystemExit(f"bench/fidelity.py: {save} holds an unfinished run; remove it to rerun")
-            if shared is not None:
-                shutil.copytree(shared, save / "rollouts" / "stage_0")
-            print(f"[sweep lr {lr:g}] running", flush=True)
-            run_preset(method.algorithm, save, s, [*extra, "--lr", f"{lr:g}"], log=a.out / f"{save.name}.log")
-            if not a.keep_checkpoints:
-                drop_checkpoints(save)
-        shared = shared or save / "rollouts" / "stage_0"
+            try:
+                train(a, key, model, train_file)
+            except RuntimeError as e:  # one run's failure must not lose the others' results
+                print(f"[{key.name}] FAILED: {e}", flush=True)
+                continue
+        write_outputs(a)
+
+
+def write_outputs(a: argparse.Namespace) -> None:
+    """summary.json over every finished run under OUT (not only this invocation's), then the report."""
+    everything = [RunResult.load(d.parent, "") for d in sorted((a.out / "runs").glob("*/*/lab_eval.json"))]
+    notes = {m.label: m.note for m in METHODS}
+    for r in everything:
+        r.note = notes.get(r.method, "")
+    (a.out / "summary.json").write_text(json.dumps(summary_rows(everything), indent=1))
+    if not a.sweep:
+        write_report(a, everything)
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="the runs (one folder per method) and, by default, report")
+    p.add_argument("--out", type=Path, required=True, help="runs, summary.json and (by default) the report")
     p.add_argument("--report", type=Path, default=None, help="default: OUT/fidelity.md (figures in OUT/fidelity/)")
     p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=list(BY_LABEL))
-    p.add_argument("--quick", action="store_true", help="2 updates per method (μ = 2 x 1 stage; GRPO μ = 1 x 2)")
-    p.add_argument("--mu", type=int, default=12, help="updates per stage of the high-staleness methods")
-    p.add_argument("--num-stages", type=int, default=1)
-    p.add_argument("--low-mu", type=int, default=4, help="μ of standard GRPO")
-    p.add_argument("--prompts-per-update", type=int, default=4)
+    p.add_argument("--mu", type=int, nargs="+", default=[256], help="μ of the staged methods (several: the curve)")
+    p.add_argument("--low-mu", type=int, default=4, help="μ of grpo and mu-grpo-mu4")
+    p.add_argument("--updates", type=int, default=None, help="updates per run (default 4 x the largest --mu)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--lr", type=float, default=None, help="the sweep's choice (default: read from --sweep-dir)")
+    p.add_argument("--prompts-per-update", type=int, default=2)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
-    p.add_argument("--eval-prompts", type=int, default=100, help="held-out problems for the greedy accuracy")
-    p.add_argument("--lr", type=float, default=1e-4, help="the choice documented in docs/fidelity.md")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints and HF exports")
-    p.add_argument("--no-share-rollout", action="store_true", help="every staged method generates its own stage 0")
-    p.add_argument("--sweep", action="store_true", help="run the learning-rate sweep into --out instead")
-    p.add_argument("--sweep-lrs", type=float, nargs="+", default=[1e-4, 3e-5, 1e-5])
-    p.add_argument("--sweep-dir", type=Path, default=None, help="a --sweep output to include in the report")
-    p.add_argument("--notes", type=Path, default=None, help="a hand-written markdown reading, included as is")
+    p.add_argument("--max-response-len", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=None, help="updates between held-out evaluations (default /16)")
+    p.add_argument("--held-out", type=int, default=200, help="held-out problems (greedy accuracy)")
+    p.add_argument("--train-problems", type=int, default=20000)
+    p.add_argument("--lab-cache", type=Path, default=CACHE, help="where the lab model is built and cached")
+    p.add_argument("--quick", action="store_true", help="the suite's smoke run: a few-hundred-weight model, 4 updates")
+    p.add_argument("--sweep", action="store_true", help="the lr sweep: grpo at μ = --low-mu, at each --sweep-lrs")
+    p.add_argument("--sweep-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4, 1e-3])
+    p.add_argument("--sweep-dir", type=Path, default=None, help="a --sweep --out folder: its table and its lr")
+    p.add_argument("--report-only", action="store_true", help="train nothing: the report from the finished runs")
+    p.add_argument("--notes", type=Path, default=None, help="hand-written markdown included in the report as is")
     a, extra = p.parse_known_args(argv)
     if a.quick:
-        a.mu, a.num_stages, a.low_mu = 2, 1, 1
+        a.mu, a.low_mu, a.updates, a.held_out, a.train_problems = [2], 1, 4, 8, 64
+        a.eval_every, a.max_response_len = a.eval_every or 2, min(a.max_response_len, 16)
+    a.updates = a.updates or 4 * max(a.mu)
+    a.eval_every = a.eval_every or max(a.updates // 16, 1)
+    for mu in [*a.mu, a.low_mu]:
+        if a.updates % mu:
+            p.error(f"--updates {a.updates} must be a multiple of every μ (got {mu})")
     a.report = a.report or a.out / "fidelity.md"
     a.command = " ".join(["bench/fidelity.py", *(argv if argv is not None else sys.argv[1:])])
     a.extra = extra
     return a, extra
 
 
+def chosen_lr(sweep_dir: Path) -> float:
+    from fidelity_report import sweep_choice
+
+    lr = sweep_choice([RunResult.load(d.parent, "") for d in sweep_dir.glob("runs/*/*/lab_eval.json")])
+    if lr is None:
+        raise SystemExit(f"bench/fidelity.py: no swept lr in {sweep_dir} passes the rule; pass --lr")
+    return lr
+
+
 def main(argv: list[str] | None = None) -> None:
-    a, extra = parse(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per run: the runs are serial and the machine is shared
+    a, _ = parse(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    spec = QUICK_SPEC if a.quick else LabSpec()
+    model = a.model = lab_model_dir(spec, a.lab_cache)
+    train_file, a.held_out = write_split(a.out / "data", a.train_problems, a.held_out, seed=spec.seed + 1,
+                                         digits=spec.digits)
     if a.sweep:
-        run_sweep(a, extra)
-        return
-    runs: list[MethodRun] = []
-    shared: Path | None = None
-    for label in a.methods:
-        try:
-            runs.append(run_method(BY_LABEL[label], a, extra, None if a.no_share_rollout else shared))
-        except SystemExit as e:  # one method's failure must not lose the others' results
-            print(f"[{label}] FAILED: {e}", flush=True)
-            runs.append(MethodRun.failed(BY_LABEL[label].label, str(e)[:300]))
-        done = runs[-1]
-        stage0 = a.out / label / "rollouts" / "stage_0"
-        if shared is None and done.summary and done.rollout_mode == "staged" and (stage0 / "manifest.json").exists():
-            shared = stage0
-        write_report(a, runs)
-    print(f"report: {a.report}", flush=True)
+        keys = [RunKey(BY_LABEL["grpo"], a.low_mu, a.seeds[0], lr) for lr in a.sweep_lrs]
+    else:
+        if a.lr is None:
+            if a.sweep_dir is None:
+                raise SystemExit("bench/fidelity.py: pass --lr, or --sweep-dir to take the sweep's choice")
+            a.lr = chosen_lr(a.sweep_dir)
+        keys = [RunKey(BY_LABEL[label], mu, seed, a.lr) for seed in a.seeds for label in a.methods
+                for mu in ([a.low_mu] if BY_LABEL[label].low else a.mu)]
+    if a.report_only:
+        write_outputs(a)
+    else:
+        run_all(a, keys, model, train_file)
+    print(f"summary: {a.out / 'summary.json'}" + ("" if a.sweep else f"; report: {a.report}"), flush=True)
 
 
 if __name__ == "__main__":

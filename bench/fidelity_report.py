@@ -1,25 +1,22 @@
-"""bench/fidelity.py's report: the table, the per-update figures and the per-claim verdicts, from the runs' metrics.
+"""bench/fidelity.py's report: the runs' table, figures in the paper's shape and the per-claim verdicts.
 
-Every number comes from the runs' own metrics.jsonl and rollout manifests; the verdict rules are stated in the
-report next to the verdicts, so a reader can check them against the table.
+Every number comes from a run's own files: metrics.jsonl (the trainer's per-update and per-stage records) and
+lab_eval.json (the bench's greedy held-out accuracy of the run's exports). The rules below were fixed before the
+runs they judge; the report prints them next to the verdicts.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamu.metrics import read_metrics
 
-# per-update metrics plotted, with their panel titles (megamu.training.step.train_step / megamu.algo.policy_loss)
+# per-update metrics plotted (the trainer's update records: megamu.training.step / megamu.algo.loss)
 PANELS = (
-    ("reward_mean", "minibatch reward (β's samples)"),
     ("ratio_neg_adv_mean", "E[ρ | A < 0]"),
     ("log_ratio_min", "min log ρ (τ = 1e-4: -9.2)"),
     ("veto_token_fraction", "veto token fraction"),
@@ -27,336 +24,359 @@ PANELS = (
     ("clip_fraction", "clip fraction"),
     ("approx_kl", "approx KL(β ‖ π_θ)"),
     ("entropy", "entropy (nats/token)"),
+    ("response_length_mean", "response length (tokens)"),
 )
-MAIN = ("grpo-mu4", "grpo-high-staleness", "grpo-relaxed", "mu-grpo", "m2po")
+STAGED_MAIN = ("grpo-high-staleness", "grpo-relaxed", "mu-grpo", "m2po")
 SCOPES = ("grpo-relaxed", "mu-grpo-trigger", "mu-grpo-nontrigger-suffix", "mu-grpo-suffix", "mu-grpo")
-LOG_TAU = math.log(1e-4)
+CURVE = ("grpo-high-staleness", "grpo-relaxed", "mu-grpo")
+
+# --- the rules, fixed before the runs ---------------------------------------------------------------------------
+RULES = """\
+- *SE(p)*: the binomial standard error sqrt(p (1 - p) / n) of a greedy accuracy on the n held-out problems
+  (p held inside [1/n, 1 - 1/n]).
+- **learned**: the best held-out accuracy of the run's evaluations (update 0 excluded) >= base + 2 SE(base).
+- **collapsed**: the final held-out accuracy < base - 3 SE(base), or < half the run's best accuracy.
+- **lr rule**: the largest swept lr at which `grpo` at μ = 4 learned and did not collapse.
+- *stage-end E[ρ|A<0]*: the lowest, over the run's rollout stages, of the median per-update E[ρ|A<0] over the last
+  quarter of that stage's updates (one minibatch holds few A < 0 tokens, so a single update's value is noisy; β is
+  reset at each stage, so the drift shows at the end of the stage where it happens). It *falls* when <= 0.8 and is
+  *near 1* in (0.8, 1.25). (Changed before the headline runs, after two probe runs at lr 1e-4, μ = 64, 256 updates,
+  which are not in this report: the first rule, the median over the run's last quarter, read a run that had
+  collapsed in its first stage at 0.98, because later stages of a collapsed run have few mixed-reward groups.)
+- (a) holds when `grpo-relaxed` collapsed; (b) when `mu-grpo-trigger` collapsed; (c) when none of
+  `mu-grpo-nontrigger-suffix`, `mu-grpo-suffix`, `mu-grpo` collapsed (all at the headline μ); (d) when every
+  collapsed staged run's stage-end E[ρ|A<0] falls and every stable staged run with clip [0, 5] has it near 1; (e) when
+  `mu-grpo` at the headline μ has a final accuracy >= `grpo` at μ = 4's minus 2 SE of the difference; (f) when
+  `grpo-high-staleness`'s final accuracy is below both `grpo`'s and `mu-grpo`'s by more than 2 SE of the difference.
+  With several seeds, a method collapsed when most of its seeds did; accuracies are seed means and the SE of a mean
+  is the larger of the binomial one and the seeds' spread.
+- A claim whose runs are missing is *not run*."""
+LATE_FALLS, LATE_NEAR = 0.8, (0.8, 1.25)
+
+
+def se(p: float, n: int) -> float:
+    p = min(max(p, 1 / n), 1 - 1 / n)
+    return math.sqrt(p * (1 - p) / n)
 
 
 @dataclass
-class MethodRun:
-    label: str
-    algorithm: str = ""
-    flags: tuple[str, ...] = ()
+class RunResult:
+    save: Path
+    method: str
+    mu: int
+    seed: int
+    lr: float
+    updates: int
+    samples: int
+    evals: list[dict]  # {"update", "accuracy", "n", "mean_length", "truncated"}; update 0 is the base model
     note: str = ""
-    mu: int = 0
-    num_stages: int = 0
-    rollout_mode: str = ""
-    save: Path | None = None
-    summary: dict | None = None  # bench/learning.py's summarize(); None when the run failed
-    error: str = ""
+    train_s: float = math.nan
     series: dict[str, list[float]] = field(default_factory=dict)
+    stage_truncation: list[float] = field(default_factory=list)
+    stage_of_update: list[int] = field(default_factory=list)
 
     @staticmethod
-    def failed(label: str, error: str) -> MethodRun:
-        return MethodRun(label=label, error=error)
+    def load(save: Path, note: str) -> RunResult:
+        rec = json.loads((save / "lab_eval.json").read_text())
+        rows = read_metrics(save)
+        ups = sorted((r for r in rows if r["kind"] == "update"), key=lambda r: r["update"])
+        stages = [r for r in rows if r["kind"] == "stage"]
+        samples = rec["updates"] * rec["prompts_per_update"] * rec["n_samples_per_prompt"]
+        return RunResult(save=save, method=rec["method"], mu=rec["mu"], seed=rec["seed"], lr=rec["lr"],
+                         updates=len(ups), samples=samples, evals=rec["evals"], note=note, train_s=rec["train_s"],
+                         series={k: [_num(r.get(k)) for r in ups] for k, _ in PANELS},
+                         stage_truncation=[_num(s.get("truncation_rate")) for s in stages],
+                         stage_of_update=[r["stage"] for r in ups])
 
-    def __post_init__(self) -> None:
-        if self.summary:
-            updates = sorted((r for r in self.summary["rows"] if r["kind"] == "update"), key=lambda r: r["update"])
-            self.series = {k: [_num(r.get(k)) for r in updates] for k, _ in PANELS}
+    @property
+    def n(self) -> int:
+        return self.evals[0]["n"]
+
+    @property
+    def base(self) -> float:
+        return self.evals[0]["accuracy"]
+
+    @property
+    def final(self) -> float:
+        return self.evals[-1]["accuracy"]
+
+    @property
+    def best(self) -> float:
+        return max(e["accuracy"] for e in self.evals[1:]) if len(self.evals) > 1 else math.nan
+
+    @property
+    def learned(self) -> bool:
+        return self.best >= self.base + 2 * se(self.base, self.n)
+
+    @property
+    def collapsed(self) -> bool:
+        return self.final < self.base - 3 * se(self.base, self.n) or self.final < self.best / 2
 
     def late(self, key: str) -> float:
-        """Median of ``key`` over the second half of the updates that have it: one minibatch holds only a few
-        A < 0 responses, so a single update's E[ρ|A<0] is noisy (a median of the second half, not the last value)."""
         values = [v for v in self.series.get(key, []) if math.isfinite(v)]
-        return statistics.median(values[len(values) // 2:]) if values else float("nan")
+        return statistics.median(values[-max(len(values) // 4, 1):]) if values else math.nan
+
+    def stage_end(self, key: str = "ratio_neg_adv_mean") -> float:
+        """The lowest over stages of the median of ``key`` over each stage's last quarter of updates."""
+        by: dict[int, list[float]] = {}
+        for st, v in zip(self.stage_of_update, self.series.get(key, [])):
+            by.setdefault(st, []).append(v)
+        ends = []
+        for values in by.values():
+            tail = [v for v in values[-max(len(values) // 4, 1):] if math.isfinite(v)]
+            if tail:
+                ends.append(statistics.median(tail))
+        return min(ends) if ends else math.nan
 
     def extreme(self, key: str, fn=min) -> float:
         values = [v for v in self.series.get(key, []) if math.isfinite(v)]
-        return fn(values) if values else float("nan")
-
-    def mean(self, key: str) -> float:
-        values = [v for v in self.series.get(key, []) if math.isfinite(v)]
-        return sum(values) / len(values) if values else float("nan")
-
-    def n_eval(self) -> int:
-        return next((r["n"] for r in self.summary["rows"] if r["kind"] == "eval"), 0) if self.summary else 0
+        return fn(values) if values else math.nan
 
 
 def _num(v) -> float:
-    return float(v) if isinstance(v, (int, float)) else float("nan")
+    return float(v) if isinstance(v, (int, float)) else math.nan
 
 
-def wall_clock(run: MethodRun) -> dict[str, float]:
-    """Seconds spent syncing weights, generating and training, summed over stages; evaluation excluded.
-
-    Generation is the rollout dataset's own measured time (its manifest's t_rollout_s): the stage record's t_rollout
-    also holds the base model's evaluation, and a stage-0 dataset copied from another method took no time in this
-    one although the same samples cost the generator that time."""
-    stages = [r for r in run.summary["rows"] if r["kind"] == "stage"]
-    gen = 0.0
-    for r in stages:
-        manifest = run.save / "rollouts" / f"stage_{r['stage']}" / "manifest.json"
-        gen += json.loads(manifest.read_text())["t_rollout_s"]
-    sync = sum(r["t_export"] for r in stages)
-    train = sum(r["t_train"] for r in stages)
-    return {"sync": sync, "generate": gen, "train": train, "total": sync + gen + train}
+def summary_rows(runs: list[RunResult]) -> list[dict]:
+    return [{"method": r.method, "mu": r.mu, "seed": r.seed, "lr": r.lr, "updates": r.updates, "samples": r.samples,
+             "base_accuracy": r.base, "final_accuracy": r.final, "best_accuracy": r.best, "held_out": r.n,
+             "learned": r.learned, "collapsed": r.collapsed,
+             "stage_end_ratio_neg_adv": _finite(r.stage_end()),
+             "final_truncated": r.evals[-1]["truncated"], "train_s": r.train_s} for r in runs]
 
 
-def _fmt(v: float, spec: str = ".2f") -> str:
-    return "n/a" if not math.isfinite(v) else format(v, spec)
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
-def table(runs: list[MethodRun]) -> list[str]:
-    lines = ["| method | setting | μ x stages | updates | samples | E[ρ\\|A<0] 2nd-half median (min) | min log ρ | "
-             "veto tokens (mean) | veto seqs (max) | clip frac (mean) | KL (max) | generate / train / total s | "
-             "stage rollout reward | greedy base -> final |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def sweep_choice(runs: list[RunResult]) -> float | None:
+    """The lr rule: the largest lr at which grpo (μ = 4 in the sweep) learned without collapse."""
+    ok = [r.lr for r in runs if r.method == "grpo" and r.learned and not r.collapsed]
+    return max(ok) if ok else None
+
+
+@dataclass
+class Group:
+    """One method at one μ over its seeds."""
+
+    runs: list[RunResult]
+
+    @property
+    def final(self) -> float:
+        return statistics.mean(r.final for r in self.runs)
+
+    @property
+    def best(self) -> float:
+        return statistics.mean(r.best for r in self.runs)
+
+    @property
+    def se(self) -> float:
+        binomial = se(self.final, self.runs[0].n)
+        if len(self.runs) < 2:
+            return binomial
+        return max(binomial / math.sqrt(len(self.runs)),
+                   statistics.stdev(r.final for r in self.runs) / math.sqrt(len(self.runs)))
+
+    @property
+    def collapsed(self) -> bool:
+        return 2 * sum(r.collapsed for r in self.runs) > len(self.runs)
+
+
+def groups(runs: list[RunResult], lr: float) -> dict[tuple[str, int], Group]:
+    out: dict[tuple[str, int], Group] = {}
     for r in runs:
-        if not r.summary:
-            lines.append(f"| {r.label} | FAILED: {r.error.splitlines()[0] if r.error else ''} |" + " |" * 12)
-            continue
-        s, w = r.summary, wall_clock(r)
-        rewards = " ".join(f"{x:.2f}" for x in s["stage_rewards"])
-        lines.append(
-            f"| {r.label} | {r.note} | {r.mu} x {r.num_stages} ({r.rollout_mode}) | {s['updates']} | {s['samples']} | "
-            f"{_fmt(r.late('ratio_neg_adv_mean'), '.3f')} ({_fmt(r.extreme('ratio_neg_adv_mean'), '.3f')}) | "
-            f"{_fmt(r.extreme('log_ratio_min'), '.1f')} | {_fmt(r.mean('veto_token_fraction'), '.4f')} | "
-            f"{_fmt(r.extreme('veto_sequence_fraction', max), '.3f')} | {_fmt(r.mean('clip_fraction'), '.4f')} | "
-            f"{_fmt(r.extreme('approx_kl', max), '.3f')} | {w['generate']:.0f} / {w['train']:.0f} / {w['total']:.0f} | "
-            f"{rewards} | {_fmt(s['before'], '.2f')} -> **{_fmt(s['after'], '.2f')}** |")
-    return lines
-
-
-def _acc_diff(a: MethodRun, b: MethodRun) -> tuple[float, float]:
-    """Accuracy difference a - b and its binomial standard error (independent-sample bound, same n problems)."""
-    pa, pb, n = a.summary["after"], b.summary["after"], max(a.n_eval(), 1)
-    return pa - pb, math.sqrt((pa * (1 - pa) + pb * (1 - pb)) / n)
-
-
-def verdicts(runs: list[MethodRun]) -> list[str]:
-    by = {r.label: r for r in runs if r.summary}
-    out = ["Rules (fixed before the full run): *drift* = median E[ρ|A<0] over the second half of the updates <= 0.8 "
-           "(>= 0.9: no drift; between: inconclusive); *near 1* = that median in [0.9, 1.1]; accuracy differences "
-           "count when they exceed 2 binomial standard errors of the difference (one seed, n held-out problems).", ""]
-
-    def have(*labels: str) -> bool:
-        return all(lbl in by for lbl in labels)
-
-    if have("grpo-relaxed"):
-        rel = by["grpo-relaxed"]
-        v = rel.late("ratio_neg_adv_mean")
-        verdict = "reproduced" if v <= 0.8 else "not reproduced" if v >= 0.9 else "inconclusive"
-        out.append(f"1. **E[ρ|A<0] collapses without the veto** (grpo-relaxed, clip [0, 5]): **{verdict}**. "
-                   f"Second-half median E[ρ|A<0] {v:.3f} (min {rel.extreme('ratio_neg_adv_mean'):.3f}), min log ρ "
-                   f"{rel.extreme('log_ratio_min'):.1f}, final greedy {rel.summary['after']:.2f} "
-                   f"(base {rel.summary['before']:.2f}).")
-        if have("mu-grpo-trigger"):
-            t = by["mu-grpo-trigger"]
-            out.append(f"   Trigger-token veto only (paper: still collapses): second-half median E[ρ|A<0] "
-                       f"{t.late('ratio_neg_adv_mean'):.3f}, final greedy {t.summary['after']:.2f}.")
-    if have("grpo-relaxed", "mu-grpo"):
-        drift = by["grpo-relaxed"].late("ratio_neg_adv_mean") <= 0.8
-        parts = []
-        ok = True
-        for lbl in ("mu-grpo", "mu-grpo-suffix", "mu-grpo-nontrigger-suffix"):
-            if lbl in by:
-                v = by[lbl].late("ratio_neg_adv_mean")
-                ok &= 0.9 <= v <= 1.1
-                parts.append(f"{lbl} {v:.3f} (veto tokens {by[lbl].mean('veto_token_fraction'):.4f})")
-        verdict = ("reproduced" if ok else "not reproduced") if drift else \
-            "inconclusive (no drift to cure: grpo-relaxed did not drift)"
-        out.append(f"2. **The veto keeps E[ρ|A<0] near 1**: **{verdict}**. Second-half median E[ρ|A<0]: "
-                   f"{'; '.join(parts)}.")
-    if have("mu-grpo", "grpo-high-staleness"):
-        d, se = _acc_diff(by["mu-grpo"], by["grpo-high-staleness"])
-        verdict = "reproduced" if d > 2 * se else "not reproduced" if d < -2 * se else "inconclusive"
-        out.append(f"3. **μ-GRPO >= high-staleness GRPO** (final greedy accuracy): **{verdict}**. "
-                   f"{by['mu-grpo'].summary['after']:.2f} vs {by['grpo-high-staleness'].summary['after']:.2f} "
-                   f"(difference {d:+.2f}, 2 SE = {2 * se:.2f}).")
-    if have("mu-grpo", "grpo-mu4"):
-        d, se = _acc_diff(by["mu-grpo"], by["grpo-mu4"])
-        wm, wg = wall_clock(by["mu-grpo"])["total"], wall_clock(by["grpo-mu4"])["total"]
-        close = d >= -2 * se
-        verdict = "reproduced" if close and wm < wg else "not reproduced"
-        if close and wm < wg and d <= 2 * se and abs(wm / wg - 1) < 0.1:
-            verdict = "inconclusive (accuracy within noise; wall-clock within 10%)"
-        out.append(f"4. **μ-GRPO close to standard GRPO at less wall-clock**: **{verdict}**. Greedy "
-                   f"{by['mu-grpo'].summary['after']:.2f} vs {by['grpo-mu4'].summary['after']:.2f} (difference "
-                   f"{d:+.2f}, 2 SE = {2 * se:.2f}); sync + generation + training {wm:.0f} s vs {wg:.0f} s "
-                   f"({wm / wg:.2f}x).")
+        if r.lr == lr:
+            out.setdefault((r.method, r.mu), Group([])).runs.append(r)
     return out
 
 
-def _log_ratio_axis(ax) -> None:
-    """Log scale with plain labels at 1, 2, 3, 5, 7 x 10^k (ratios from ~0.1 to ~10)."""
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+def verdicts(runs: list[RunResult], lr: float, mu: int, low_mu: int) -> list[str]:
+    g = groups(runs, lr)
 
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    def get(method: str, m: int = mu) -> Group | None:
+        return g.get((method, m))
 
+    def say(claim: str, needed: list[Group | None], holds, detail) -> str:
+        if any(x is None for x in needed):
+            return f"{claim} **not run**."
+        return f"{claim} **{'holds' if holds() else 'does not hold'}**: {detail()}."
 
-def figure(runs: list[MethodRun], labels: tuple[str, ...], path: Path, title: str) -> bool:
-    import matplotlib
+    def acc(x: Group) -> str:
+        return f"final {x.final:.3f} (best {x.best:.3f}){' collapsed' if x.collapsed else ''}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    out = []
+    rel, trig, mug, grpo, hs = get("grpo-relaxed"), get("mu-grpo-trigger"), get("mu-grpo"), get("grpo", low_mu), \
+        get("grpo-high-staleness")
+    stable = [get(m) for m in ("mu-grpo-nontrigger-suffix", "mu-grpo-suffix", "mu-grpo")]
+    out.append(say("(a) Relaxed clipping [0, 5] without the veto collapses:", [rel], lambda: rel.collapsed,
+                   lambda: f"grpo-relaxed {acc(rel)}, base {rel.runs[0].base:.3f}"))
+    out.append(say("(b) The trigger-only veto (T) still collapses:", [trig], lambda: trig.collapsed,
+                   lambda: f"mu-grpo-trigger {acc(trig)}"))
+    out.append(say("(c) The suffix scopes H_κ, S_κ and S_seq stay stable:", stable,
+                   lambda: not any(x.collapsed for x in stable),
+                   lambda: "; ".join(f"{x.runs[0].method} {acc(x)}" for x in stable)))
+    staged = [r for r in runs if r.lr == lr and r.mu == mu]
+    relaxed = {"grpo-relaxed", "mu-grpo", "mu-grpo-trigger", "mu-grpo-nontrigger-suffix", "mu-grpo-suffix", "m2po"}
+    falls = [r for r in staged if r.collapsed]
+    near = [r for r in staged if not r.collapsed and r.method in relaxed]
 
-    chosen = [r for lbl in labels for r in runs if r.label == lbl and r.summary]
-    if not chosen:
-        return False
-    fig, axes = plt.subplots(2, 4, figsize=(13, 5.6))
-    for ax, (key, name) in zip(axes.flat, PANELS):
-        for r in chosen:
-            ys = r.series[key]
-            ax.plot(range(1, len(ys) + 1), ys, marker=".", markersize=4, linewidth=1.2, label=r.label)
-        if key == "ratio_neg_adv_mean":
-            ax.axhline(1.0, color="grey", linewidth=0.6)
-            _log_ratio_axis(ax)  # a drift to 0.2 and a spike to 6 on one panel
-        if key == "log_ratio_min":
-            ax.axhline(LOG_TAU, color="grey", linewidth=0.6, linestyle="--")
-        ax.set_title(name, fontsize=9)
-        ax.tick_params(labelsize=7)
-        ax.set_xlabel("update", fontsize=7)
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return True
+    def d_holds() -> bool:
+        return all(r.stage_end() <= LATE_FALLS for r in falls) and \
+            all(LATE_NEAR[0] < r.stage_end() < LATE_NEAR[1] for r in near)
 
+    out.append(say("(d) E[ρ|A<0] falls in collapsed runs and stays near 1 in stable ones:",
+                   [None] if not staged else [], d_holds,
+                   lambda: "collapsed: " + (", ".join(f"{r.method} s{r.seed} {r.stage_end():.3f}"
+                                                     for r in falls) or "none")
+                   + "; stable, clip [0, 5]: " + (", ".join(f"{r.method} s{r.seed} {r.stage_end():.3f}"
+                                                           for r in near) or "none")))
 
-def accuracy_figure(runs: list[MethodRun], path: Path) -> bool:
-    import matplotlib
+    def diff(x: Group, y: Group) -> tuple[float, float]:
+        return x.final - y.final, math.hypot(x.se, y.se)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [r for r in runs if r.summary]
-    if not done:
-        return False
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.8))
-    names = [r.label for r in done]
-    a1.barh(names, [r.summary["after"] for r in done], color="tab:blue", label="final")
-    a1.axvline(done[0].summary["before"], color="grey", linestyle="--", label="base")
-    a1.set_xlabel(f"held-out greedy accuracy ({done[0].n_eval()} problems)", fontsize=8)
-    a1.legend(fontsize=7)
-    walls = [wall_clock(r) for r in done]
-    a2.barh(names, [w["generate"] for w in walls], label="generate")
-    a2.barh(names, [w["train"] for w in walls], left=[w["generate"] for w in walls], label="train")
-    a2.barh(names, [w["sync"] for w in walls], left=[w["generate"] + w["train"] for w in walls], label="sync")
-    a2.set_xlabel("wall-clock, s (evaluation excluded)", fontsize=8)
-    a2.legend(fontsize=7)
-    for ax in (a1, a2):
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return True
+    out.append(say(f"(e) μ-GRPO at μ = {mu} reaches standard GRPO's accuracy (μ = {low_mu}) within 2 SE:",
+                   [mug, grpo], lambda: diff(mug, grpo)[0] >= -2 * diff(mug, grpo)[1],
+                   lambda: f"mu-grpo {acc(mug)} vs grpo {acc(grpo)}: difference {diff(mug, grpo)[0]:+.3f}, "
+                           f"2 SE = {2 * diff(mug, grpo)[1]:.3f}"))
+    out.append(say("(f) Clipped high-staleness GRPO plateaus lower:", [hs, grpo, mug],
+                   lambda: all(diff(hs, y)[0] < -2 * diff(hs, y)[1] for y in (grpo, mug)),
+                   lambda: f"grpo-high-staleness {acc(hs)}; minus grpo {diff(hs, grpo)[0]:+.3f} "
+                           f"(2 SE {2 * diff(hs, grpo)[1]:.3f}), minus mu-grpo {diff(hs, mug)[0]:+.3f} "
+                           f"(2 SE {2 * diff(hs, mug)[1]:.3f})"))
+    return out
 
 
-def sweep_runs(sweep_dir: Path) -> list[tuple[float, MethodRun]]:
-    """The finished runs of a ``bench/fidelity.py --sweep`` folder, by learning rate."""
-    found = []
-    for d in sorted(sweep_dir.glob("grpo-relaxed-lr*")):
-        rows = read_metrics(d)
-        if d.is_dir() and any(r["kind"] == "run" for r in rows):
-            summary = {"rows": rows, "stage_rewards": [r["reward_mean"] for r in rows if r["kind"] == "stage"]}
-            found.append((float(d.name.removeprefix("grpo-relaxed-lr")),
-                          MethodRun(label=d.name, algorithm="grpo-relaxed", save=d, summary=summary)))
-    return sorted(found, key=lambda x: x[0])
+def _fmt(x: float, spec: str) -> str:
+    return format(x, spec) if math.isfinite(x) else "–"
 
 
-def sweep_section(sweep_dir: Path, fig_dir: Path, lr: float, mu: int) -> list[str]:
-    found = sweep_runs(sweep_dir)
-    if not found:
-        return [f"(no finished sweep runs in {sweep_dir})"]
-    drifting = [x for x, r in found if r.late("ratio_neg_adv_mean") <= 0.8]
-    rule = (f"Choice rule: the smallest swept lr whose second-half median E[ρ|A<0] is <= 0.8 (the drift rule of "
-            f"the verdicts below); if none drifts, 1e-4, where lr x μ = {1e-4 * mu:.1e} matches "
-            f"the paper's 1e-6 x 1024 = 1.0e-3 (Adam moves each weight by about lr per update, so lr x μ stands in "
-            f"for how far π_θ can move from β within a stage). Here: "
-            + (f"{min(drifting):g} drifts" if drifting else "no swept lr drifts by that rule, so 1e-4")
-            + f"; the full run used lr {lr:g}.")
-    lines = ["| lr | updates | E[ρ\\|A<0] first / 2nd-half median / min | min log ρ | updates with min log ρ < log τ | "
-             "KL (max) | rollout reward |", "|---|---|---|---|---|---|---|"]
-    for lr, r in found:
-        ratio = [v for v in r.series["ratio_neg_adv_mean"] if math.isfinite(v)]
-        below = sum(v < LOG_TAU for v in r.series["log_ratio_min"] if math.isfinite(v))
-        first = ratio[0] if ratio else math.nan
-        lines.append(f"| {lr:g} | {len(r.series['reward_mean'])} | {_fmt(first, '.3f')} / "
-                     f"{_fmt(r.late('ratio_neg_adv_mean'), '.3f')} / {_fmt(r.extreme('ratio_neg_adv_mean'), '.3f')} | "
-                     f"{_fmt(r.extreme('log_ratio_min'), '.1f')} | {below} | "
-                     f"{_fmt(r.extreme('approx_kl', max), '.3f')} | "
-                     f"{' '.join(f'{x:.2f}' for x in r.summary['stage_rewards'])} |")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for lr, r in found:
-        for ax, key in zip(axes, ("ratio_neg_adv_mean", "log_ratio_min", "approx_kl")):
-            ys = r.series[key]
-            ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"lr {lr:g}")
-    _log_ratio_axis(axes[0])
-    for ax, (_, name) in zip(axes, [p for p in PANELS if p[0] in ("ratio_neg_adv_mean", "log_ratio_min",
-                                                                    "approx_kl")]):
-        ax.set_title(f"grpo-relaxed: {name}", fontsize=9)
-        ax.set_xlabel("update", fontsize=7)
-        ax.tick_params(labelsize=7)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(fig_dir / "sweep.png", dpi=72)
-    plt.close(fig)
-    return lines + ["", rule, "", f"![lr sweep]({fig_dir.name}/sweep.png)"]
+def table(runs: list[RunResult]) -> list[str]:
+    lines = ["| method | μ | seed | lr | updates | samples | held-out acc base / best / **final** | learned | "
+             "collapsed | stage-end E[ρ\\|A<0] | min log ρ | clip frac (mean) | veto tok / seq (mean) | KL (max) | "
+             "entropy (late) | length (late) | rollout truncated (max stage) | held-out truncated (final) | "
+             "trainer s |",
+             "|" + "---|" * 19]
+    for r in sorted(runs, key=lambda r: (r.lr, r.method, r.mu, r.seed)):
+        mean = {k: statistics.mean([v for v in r.series[k] if math.isfinite(v)] or [math.nan]) for k, _ in PANELS}
+        lines.append(
+            f"| {r.method} | {r.mu} | {r.seed} | {r.lr:g} | {r.updates} | {r.samples} | {r.base:.3f} / "
+            f"{_fmt(r.best, '.3f')} / **{r.final:.3f}** | {'yes' if r.learned else 'no'} | "
+            f"{'**yes**' if r.collapsed else 'no'} | {_fmt(r.stage_end(), '.3f')} | "
+            f"{_fmt(r.extreme('log_ratio_min'), '.1f')} | {_fmt(mean['clip_fraction'], '.4f')} | "
+            f"{_fmt(mean['veto_token_fraction'], '.4f')} / {_fmt(mean['veto_sequence_fraction'], '.3f')} | "
+            f"{_fmt(r.extreme('approx_kl', max), '.3f')} | {_fmt(r.late('entropy'), '.3f')} | "
+            f"{_fmt(r.late('response_length_mean'), '.1f')} | {_fmt(max(r.stage_truncation, default=math.nan), '.3f')}"
+            f" | {r.evals[-1]['truncated']:.3f} | "
+            f"{r.train_s:.0f} |")
+    return lines
 
 
-def write_report(a, runs: list[MethodRun]) -> None:
-    """The markdown report at ``a.report`` and its figures in the folder beside it (``<report stem>/``)."""
+def write_report(a, runs: list[RunResult]) -> None:
+    """The markdown report at ``a.report``, its figures in the folder beside it (``<report stem>/``)."""
+    import os
+    import platform
+    import time
+
+    import fidelity_figures as figs
+
     fig_dir = a.report.parent / a.report.stem
     fig_dir.mkdir(parents=True, exist_ok=True)
-    done = [r for r in runs if r.summary]
-    ref = done[0].summary if done else None
-    measured = {r.label: r.summary["before"] for r in done
-                if any(x["kind"] == "eval" and x["label"] == "base" for x in r.summary["rows"])}
-    for r in done:  # a run on a copied stage-0 dataset skips the base evaluation: same model, same problems
-        if not math.isfinite(r.summary["before"]) and measured:
-            r.summary["before"] = next(iter(measured.values()))
-    lines = [
-        "# Fidelity: the paper's mechanism in megamu, measured on CPU (issue 15)", "",
-        f"Generated by `{a.command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
-        f"({platform.machine()}, {os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})."
-        " Every number below is read from the runs' metrics.jsonl and rollout manifests.", "",
-        f"Settings: high-staleness methods μ = {a.mu} x {a.num_stages} stage(s), standard GRPO μ = {a.low_mu} "
-        f"(colocated); {a.prompts_per_update} prompts x {a.n_samples_per_prompt} samples per update; lr {a.lr:g}; "
-        f"seed {a.seed}; so every method makes {a.mu * a.num_stages} updates on "
-        f"{a.mu * a.num_stages * a.prompts_per_update * a.n_samples_per_prompt} rollout samples. Held-out greedy "
-        f"accuracy on the same {done[0].n_eval() if done else '?'} problems for every method."
-        + (f" Extra trainer flags: `{' '.join(getattr(a, 'extra', []))}`." if getattr(a, "extra", None) else ""),
-        "", "## Results", "", *table(runs), "",
-        "E[ρ|A<0], min log ρ, veto, clip and KL statistics are per update over the samples it trains on (A != 0; "
-        "groups with equal rewards carry no gradient and are skipped); *2nd-half median*: median over the second half "
-        "of the updates that have A < 0 tokens. Wall-clock: weight sync + generation + training, evaluation excluded "
-        "(`fidelity_report.wall_clock`). Base greedy accuracy measured by "
-        + ", ".join(f"{k} ({v:.2f})" for k, v in measured.items())
-        + " (the runs that generated their own stage 0; the others reuse that number).", "",
+    mu, low = max(a.mu), a.low_mu
+    main = [r for r in runs if r.lr == a.lr]
+    head = [r for r in main if r.mu == mu or (r.mu == low and r.method in ("grpo", "mu-grpo-mu4"))]
+    build = json.loads((Path(a.model) / "lab_build.json").read_text())
+    spec = build["spec"]
+    out = [
+        "# Fidelity: the paper's Figures 2-3 at the paper's staleness, on a lab model (issue 23)", "",
+        f"Generated by `{a.command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({platform.machine()}, "
+        f"{os.cpu_count()} cores, one thread per run, runs one at a time). Every number is read from the runs' "
+        "metrics.jsonl and the bench's held-out evaluations of their exports (`lab_eval.json`).", "",
+        "## Set-up", "",
+        f"- **Lab model** (`megamu/lab/model.py`): Llama-shaped, {spec['num_hidden_layers']} layers, width "
+        f"{spec['hidden_size']}, {spec['num_attention_heads']} heads / {spec['num_key_value_heads']} KV heads, MLP "
+        f"{spec['intermediate_size']}, the char tokenizer of megamu/tiny.py; fine-tuned from random weights for "
+        f"{build['steps']} steps ({build['seconds']:.0f} s on one thread) until its sampled (T = 1) accuracy on "
+        f"{spec['probe_problems']} probe problems reached {build['sampled_accuracy']:.2f} (greedy "
+        f"{build['greedy_accuracy']:.2f}).",
+        f"- **Task** (`megamu/lab/task.py`): {spec['digits']}-digit additions, answered column by column with carries "
+        "(one line per column), then `\\boxed{sum}`: about 46 response tokens. The trainer's math reward (last "
+        "`\\boxed{}`) scores rollouts; held-out accuracy is greedy exact match of the boxed sum on "
+        f"{runs[0].n if runs else '?'} problems drawn apart from the {a.train_problems} training problems.",
+        f"- **Schedule**: every run makes {a.updates} updates of {a.prompts_per_update} prompts x "
+        f"{a.n_samples_per_prompt} samples ({a.updates * a.prompts_per_update * a.n_samples_per_prompt} rollout "
+        f"samples), lr {a.lr:g} (the sweep's rule below), replies up to {a.max_response_len} tokens. Staged methods: "
+        f"μ = {mu}, {a.updates // mu} stages. `grpo` and `mu-grpo-mu4`: μ = {low}, colocated, {a.updates // low} "
+        f"refreshes. Held-out evaluation every {a.eval_every} updates. Seeds: "
+        f"{sorted({r.seed for r in main}) or '–'}."
+        + (f" Extra trainer flags: `{' '.join(a.extra)}`." if a.extra else ""),
+        "", "## Results at the chosen lr", "", *table(main), "",
+        "Per-update statistics are the trainer's, over the samples each update trains on (groups with equal rewards "
+        "carry no gradient and are skipped). *late*: median over the last quarter of the updates. *held-out "
+        "truncated*: greedy held-out replies that hit the length limit without EOS at the last evaluation.", "",
     ]
-    if figure(runs, MAIN, fig_dir / "per_update_methods.png", "methods at the same rollout budget (cf. paper Fig. 2)"):
-        lines += [f"![per-update metrics, methods]({fig_dir.name}/per_update_methods.png)", ""]
-    if figure(runs, SCOPES, fig_dir / "per_update_scopes.png", "veto scopes under clip [0, 5] (cf. paper Fig. 3)"):
-        lines += [f"![per-update metrics, veto scopes]({fig_dir.name}/per_update_scopes.png)", ""]
-    if accuracy_figure(runs, fig_dir / "accuracy_wallclock.png"):
-        lines += [f"![accuracy and wall-clock]({fig_dir.name}/accuracy_wallclock.png)", ""]
-    lines += ["## The paper's claims at this scale", "", *verdicts(runs), "",
-              "Limits of this measurement: one seed; 100 held-out problems (binomial standard error about 0.05 per "
-              "accuracy); a 135M model on two-digit addition, whose responses are short and mostly formatting tokens "
-              "that stay near ρ = 1, which dilutes E[ρ|A<0]; the paper's staleness (μ = 1024 at lr 1e-6) is stood in "
-              "for by a high learning rate at μ = 12 (see the sweep), so the drift here is fast and large rather than "
-              "slow; wall-clock is measured on a shared CPU machine whose load varied during the run, with the local "
-              "engine (no separate inference server, so the paper's weight-sync and memory-contention savings barely "
-              "exist here).", ""]
-    if a.sweep_dir is not None:
-        lines += ["## Learning-rate sweep (why this lr)", "",
-                  f"`bench/fidelity.py --sweep` output in `{a.sweep_dir}`: grpo-relaxed, the same μ, prompts per "
-                  "update and samples per prompt, evaluation off (so its prompts are drawn from a smaller data set "
-                  "than the runs above), one shared stage-0 dataset.", "",
-                  *sweep_section(a.sweep_dir, fig_dir, a.lr, a.mu), ""]
+    by = {r.method: r for r in sorted(head, key=lambda r: -r.seed)}  # seed 1 last, so it is the one drawn
+    pick = [by[m] for m in ("grpo-high-staleness", "grpo-relaxed") if m in by]
+    if figs.fig2(pick, fig_dir / "fig2_clip.png"):
+        out += [f"![Fig. 2 shape]({fig_dir.name}/fig2_clip.png)", ""]
+    if figs.fig3([by[m] for m in SCOPES if m in by], fig_dir / "fig3_scopes.png"):
+        out += [f"![Fig. 3 shape]({fig_dir.name}/fig3_scopes.png)", ""]
+    if figs.per_update([by[m] for m in ("grpo", *STAGED_MAIN) if m in by], PANELS, fig_dir / "per_update.png",
+                       "per-update statistics, methods at the same samples"):
+        out += [f"![per-update statistics]({fig_dir.name}/per_update.png)", ""]
+    out += ["## The paper's claims at this scale", "", "Rules (fixed before the runs):", "", RULES, "",
+            *[f"- {v}" for v in verdicts(main, a.lr, mu, low)], ""]
+    g = groups(main, a.lr)
+    out += ["## Staleness curve", ""]
+    if figs.staleness_curve(g, CURVE, low, fig_dir / "staleness.png"):
+        rows = sorted((k, v) for k, v in g.items() if k[0] in CURVE)
+        out += ["| method | μ | seeds | final | best | collapsed |", "|---|---|---|---|---|---|"]
+        out += [f"| {m} | {u} | {len(x.runs)} | {x.final:.3f} | {x.best:.3f} | {'yes' if x.collapsed else 'no'} |"
+                for (m, u), x in rows]
+        out += ["", f"![staleness curve]({fig_dir.name}/staleness.png)", ""]
+    else:
+        out += ["Not run yet (it needs the three methods at two or more μ; "
+                "`bench/fidelity.py --mu 4 64 ... --methods grpo-high-staleness grpo-relaxed mu-grpo`).", ""]
+    grpo_runs = [r for r in runs if r.method == "grpo" and r.mu == low]
+    swept = [r for r in grpo_runs if r.seed == min(x.seed for x in grpo_runs)]  # the sweep ran on one seed
+    out += ["## Learning-rate sweep (the rule that chose the lr)", ""]
+    if swept:
+        out += ["| lr | base | best | final | learned | collapsed | KL (max) | held-out truncated (final) |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r.lr:g} | {r.base:.3f} | {r.best:.3f} | {r.final:.3f} | {'yes' if r.learned else 'no'} | "
+                f"{'yes' if r.collapsed else 'no'} | {_fmt(r.extreme('approx_kl', max), '.3f')} | "
+                f"{r.evals[-1]['truncated']:.3f} |" for r in sorted(swept, key=lambda r: r.lr)]
+        choice = sweep_choice(swept)
+        out += ["", f"The rule picks lr = {choice:g}." if choice else "No swept lr passes the rule.", ""]
+        if figs.sweep(swept, fig_dir / "sweep.png"):
+            out += [f"![lr sweep]({fig_dir.name}/sweep.png)", ""]
+    else:
+        out += ["No sweep runs in this folder.", ""]
+    out += other_lrs(a, runs, fig_dir, mu, low)
     if getattr(a, "notes", None) is not None:
-        lines += [f"## Reading (hand-written: `{a.notes}`)", "", a.notes.read_text().strip(), ""]
-    if ref is None:
-        lines += ["No method finished."]
-    a.report.write_text("\n".join(lines) + "\n")
+        out += [f"## Reading (hand-written: `{a.notes}`)", "", a.notes.read_text().strip(), ""]
+    out += ["## History", "", "The previous report (`docs/fidelity-135m.md`, SmolLM2-135M, 12 updates per method at "
+            "lr 1e-4 standing in for staleness) is kept as history only. It was superseded because every method "
+            "collapsed there, standard GRPO at μ = 4 included: the step size did the damage, not staleness, so it "
+            "could not show the paper's mechanism. Here the staleness is real (μ updates on one static dataset) and "
+            "the lr is the largest at which standard GRPO is stable.", ""]
+    a.report.write_text("\n".join(out) + "\n")
+
+
+def other_lrs(a, runs: list[RunResult], fig_dir: Path, mu: int, low: int) -> list[str]:
+    """Runs of methods other than the sweep's at learning rates the rule did not choose: shown, never used above."""
+    import fidelity_figures as figs
+
+    lrs = sorted({r.lr for r in runs if r.lr != a.lr and r.method != "grpo"})
+    if not lrs:
+        return []
+    out = ["## Other learning rates (outside the rule; no verdict above uses them)", ""]
+    for lr in lrs:
+        at = [r for r in runs if r.lr == lr and (r.method != "grpo" or r.mu == low)]
+        out += [f"### lr {lr:g}", "", *table(at), "", "The same rules applied at this lr, for reading only:", "",
+                *[f"- {v}" for v in verdicts(at, lr, mu, low)], ""]
+        by = {r.method: r for r in sorted(at, key=lambda r: -r.seed) if r.mu in (mu, low)}
+        name = f"scopes_lr{lr:g}.png"
+        if figs.fig3([by[m] for m in ("grpo", "grpo-high-staleness", *SCOPES) if m in by], fig_dir / name,
+                     f"lr {lr:g}: accuracy and E[ρ|A<0]"):
+            out += [f"![accuracy and E[ρ|A<0] at lr {lr:g}]({fig_dir.name}/{name})", ""]
+    return out

@@ -1,0 +1,157 @@
+"""The lab model: a small Llama-shaped model with the char tokenizer, fine-tuned here on the lab task until its
+sampled (T = 1) accuracy first reaches a target, so that RL starts with room to learn and with wrong samples.
+
+The build is seeded and runs on one thread (so its float reductions, and the weights, are the same on every run on a
+machine) and takes a few minutes on one core; the result is cached under ``$MEGAMU_CACHE/lab-<hash of the
+settings>``, like the demo model, with ``lab_build.json`` recording the steps taken and the accuracies reached.
+
+    python -m megamu.lab.model            # build (or find) the default lab model and print its folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from megamu.lab.evaluate import _prompt_ids, accuracy
+from megamu.lab.task import DIGITS, problems, prompt_text, solution
+from megamu.tiny import build_char_tokenizer
+
+CACHE = Path(os.environ.get("MEGAMU_CACHE", Path.home() / ".cache" / "megamu"))
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    family: str = "llama"  # the only one: see hf_config
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    digits: int = DIGITS
+    seed: int = 0
+    lr: float = 1e-3
+    batch_size: int = 32
+    max_steps: int = 4000
+    eval_every: int = 50
+    probe_problems: int = 128  # sampled-accuracy probe set (its own seed: never a training or held-out row)
+    target_accuracy: float = 0.25  # stop at the first probe whose T = 1 accuracy reaches this
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def hf_config(spec: LabSpec, vocab_size: int):
+    # Llama, not Qwen2: transformers maps a qwen2 folder to Qwen2Tokenizer, whose byte-level pre-tokenizer drops the
+    # char vocabulary's newline and space; a llama folder keeps the saved tokenizer as it is.
+    from transformers import LlamaConfig
+
+    if spec.family != "llama":
+        raise ValueError(f"lab model family {spec.family!r}: only 'llama' keeps the char tokenizer intact")
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                       num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+                       num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _batch(tokenizer, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of prompt + reference reply + EOS, and labels that score only the reply and its EOS."""
+    seqs, labels = [], []
+    for a, b in pairs:
+        p = _prompt_ids(tokenizer, prompt_text(a, b))
+        r = list(tokenizer(solution(a, b), add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        seqs.append(p + r)
+        labels.append([-100] * len(p) + r)
+    width = max(map(len, seqs))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    lab = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+    return ids, lab
+
+
+def train(spec: LabSpec, out: Path, log=print) -> dict:
+    """Fine-tune from random weights until the probe's sampled accuracy reaches the target; save the HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(spec.seed)
+        # the tokenizer as the trainer will load it from the folder, so fine-tuning sees the trainer's token ids
+        build_char_tokenizer().save_pretrained(out)
+        tok = AutoTokenizer.from_pretrained(out)
+        model = AutoModelForCausalLM.from_config(hf_config(spec, len(tok)), dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.0)
+        # training problems: their own seed; the probe set is drawn apart from them (held-out sets use other seeds)
+        probe = problems(spec.probe_problems, spec.seed + 7919, spec.digits)
+        probe_rows = [(prompt_text(a, b), str(a + b)) for a, b in probe]
+        stream = problems(spec.batch_size * spec.max_steps, spec.seed + 104729, spec.digits, exclude=set(probe))
+        t0, history, acc = time.perf_counter(), [], None
+        for step in range(1, spec.max_steps + 1):
+            model.train()
+            ids, lab = _batch(tok, stream[(step - 1) * spec.batch_size:step * spec.batch_size])
+            loss = model(input_ids=ids, labels=lab).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % spec.eval_every == 0:
+                acc = accuracy(model, tok, probe_rows, greedy=False, seed=spec.seed)
+                history.append({"step": step, "loss": round(loss.item(), 4), "sampled_accuracy": acc.accuracy})
+                log(f"lab model: step {step} loss {loss.item():.3f} sampled accuracy {acc.accuracy:.3f}")
+                if acc.accuracy >= spec.target_accuracy:
+                    break
+        if acc is None or acc.accuracy < spec.target_accuracy:
+            raise RuntimeError(f"lab model: sampled accuracy {acc and acc.accuracy} < {spec.target_accuracy} "
+                               f"after {spec.max_steps} steps")
+        greedy = accuracy(model, tok, probe_rows, greedy=True)
+        model.save_pretrained(out, safe_serialization=True)
+        GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+        record = {"spec": asdict(spec), "steps": step, "seconds": round(time.perf_counter() - t0, 1),
+                  "sampled_accuracy": acc.accuracy, "greedy_accuracy": greedy.accuracy,
+                  "sampled_mean_length": acc.mean_length, "history": history}
+        (out / "lab_build.json").write_text(json.dumps(record, indent=1))
+        return record
+    finally:
+        torch.set_num_threads(threads)
+
+
+def lab_model_dir(spec: LabSpec = LabSpec(), cache: Path = CACHE, log=print) -> Path:
+    """The cached lab model for ``spec``, built on first use (a few minutes on one core)."""
+    out = cache / f"lab-{spec.key()}"
+    if (out / "lab_build.json").exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".lab-", dir=cache))
+    try:
+        train(spec, tmp, log)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process built it first: same spec, same seed, so keep theirs
+            if not (out / "lab_build.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", type=Path, default=CACHE)
+    a = p.parse_args(argv)
+    d = lab_model_dir(cache=a.cache)
+    print(d)
+    print((d / "lab_build.json").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -147,6 +147,7 @@ class MemoryPlanConfig:
     release_during_training: bool = False  # colocated servers /release_memory_occupation while the trainer trains
     gpu_memory_gib: float = H200_GIB
     cuda_context_gib: float = CUDA_CONTEXT_GIB
+    temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -251,16 +252,20 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
     return int(body + final_norm + head_input)
 
 
-# token_logprobs(with_entropy=True), the fp32 tensors the size of the scored logits [b, r, V/t] alive at once when it
-# forms p * shifted: the logits (fp32: Float16Module casts its output), z = logits / T, shifted = z - m (kept: gather's
-# backward saves it), exp(shifted), p = exp / S, shifted with -inf set to 0, and the product p * shifted; plus the
-# bool mask isneginf(shifted). 7 x 4 + 1 bytes per logit. The backward needs less (the entropy's graph is dropped).
-LOGIT_BYTES = 7 * 4 + 1
+# token_logprobs(with_entropy=True), the fp32 tensors the size of the scored logits [k, V/t] (k: the scored tokens,
+# at most rows x scored_len) alive at once when it forms p * shifted: the logits (fp32: Float16Module casts its
+# output), z = logits / T (only when T != 1: dividing by 1 is skipped), shifted = z - m (kept: gather's backward saves
+# it), exp(shifted), p = exp / S, shifted with -inf set to 0, and the product p * shifted; plus the bool mask
+# isneginf(shifted). 6 x 4 + 1 bytes per logit at T = 1, 7 x 4 + 1 otherwise. The backward needs less (the entropy's
+# graph is dropped).
+LOGIT_BYTES = 6 * 4 + 1
+TEMPERATURE_COPY_BYTES = 4
 
 
 def _logits_bytes(c: MemoryPlanConfig) -> int:
     vocab_local = padded_vocab(c.model.vocab_size, c.tp) // c.tp
-    return LOGIT_BYTES * c.micro_batch_size * c.scored_len * vocab_local
+    per_logit = LOGIT_BYTES + (TEMPERATURE_COPY_BYTES if c.temperature != 1.0 else 0)
+    return per_logit * c.micro_batch_size * c.scored_len * vocab_local
 
 
 class MemoryPlan:

@@ -221,4 +221,5 @@ def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: E
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,
         mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
-        release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib)
+        release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib,
+        temperature=policy.temperature)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -78,8 +79,11 @@ def test_activations_and_logits_by_hand():
     assert rows["activations, no recompute"] == int(2 * per_layer + head)
     full = 2 * 64 * 2 * tokens + per_layer + head  # each layer's input, plus one layer rebuilt in the backward
     assert rows["activations, full recompute"] == int(full)
-    # 7 fp32 tensors and one bool mask over [3 rows, 4 scored positions, 256 / 2 vocab entries]
-    assert rows["logits and log-softmax temporaries (fp32)"] == (7 * 4 + 1) * 3 * 4 * 128
+    # 6 fp32 tensors and one bool mask over [3 rows, 4 scored positions, 256 / 2 vocab entries] at T = 1; at T != 1
+    # a 7th, the logits divided by T
+    assert rows["logits and log-softmax temporaries (fp32)"] == (6 * 4 + 1) * 3 * 4 * 128
+    hot = {r.part: r.bytes for r in plan_memory(replace(c, temperature=0.7)).rows()}
+    assert hot["logits and log-softmax temporaries (fp32)"] == (7 * 4 + 1) * 3 * 4 * 128
 
 
 def test_server_kv_cache_by_hand():

@@ -12,9 +12,11 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: megamu and tests
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -112,6 +112,7 @@ def train(a: argparse.Namespace, key: RunKey, model: Path, train_file: Path) -> 
            "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--rollout-mode", mode, "--seed", str(key.seed),
            "--lr", f"{key.lr:g}", "--eval-prompts", "0", "--hf-export-interval", str(a.eval_every),
            "--rollout-max-response-len", str(a.max_response_len), "--save-interval", "0", "--keep-checkpoints", "1",
+           "--keep-hf-exports", "0",  # every export is scored (then dropped by this bench)
            # the local engine decodes 256 rows at once: 2x the samples/s of its default 128 on this model (measured)
            "--rollout-batch-size", "256", "--rollout-groups-per-shard", "64",
            *a.extra]

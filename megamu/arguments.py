@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
                    help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
     g.add_argument("--keep-checkpoints", type=int, default=_default(PolicyConfig, "keep_checkpoints"),
-                   help="checkpoints and --hf-export-interval exports kept under --save, newest first (0: all)")
+                   help="checkpoints kept under --save, newest first (0: all)")
+    g.add_argument("--keep-hf-exports", type=int, default=None,
+                   help="--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)")
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF exports the engine loads (default: the training precision)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
@@ -417,6 +419,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
         cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
+        keep_hf_exports=args.keep_hf_exports,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
         memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
                               tp=args.tensor_model_parallel_size, world=int(os.environ.get("WORLD_SIZE", "1")),

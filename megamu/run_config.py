@@ -169,6 +169,7 @@ class RunConfig:
     log_interval: int = 1
     save_interval: int = 0
     hf_export_interval: int = 0
+    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all; None: as many as checkpoints)
     recompute_behaviour_logprobs: bool = False
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
@@ -176,7 +177,7 @@ class RunConfig:
 
     def __post_init__(self):
         check_positive(self, "tensor_model_parallel_size", "log_interval", "cpu_threads")
-        check_non_negative(self, "save_interval", "hf_export_interval")
+        check_non_negative(self, "save_interval", "hf_export_interval", "keep_hf_exports")
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
         if (self.async_ is not None) != self.plan.is_async:

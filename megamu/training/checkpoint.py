@@ -45,7 +45,7 @@ from megamu.training.checkpoint_dirs import (
     _world,
     iteration_dir,
     latest_iteration,
-    prune_checkpoints,
+    publish,
 )
 
 RUN_STATE = "megamu_state.json"
@@ -157,32 +157,24 @@ def save_checkpoint(
     except (Exception, CheckpointException) as e:  # disk full on one rank: every rank still reaches the gather
         error = f"{type(e).__name__}: {e}"
     errors = parallel.all_gather_object(error)
-    error = None
-    if main:
-        try:
-            _raise_any(errors, f"writing checkpoint {out}")
-            atomic_write_text(tmp / RUN_STATE, json.dumps({
-                "format": FORMAT,
-                "iteration": iteration,
-                "optimizer": optimizer.state_dict(),
-                "has_optimizer_state": bool(opt_sd),
-                "tensor_model_parallel_size": parallel.tp_size(),
-                "data_parallel_size": parallel.dp_size(),
-                "world_size": world,
-                "arch": arch.to_dict(),
-                "hf_source_dir": str(hf_source_dir) if hf_source_dir is not None else None,
-                "extra": extra,
-                "rng": rngs,
-            }, indent=1) + "\n")
-            replace_dir(tmp, out)
-            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
-            prune_checkpoints(save_dir, keep)
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
-    _raise_any(parallel.all_gather_object(error), f"saving checkpoint {out}")
-    return out
+
+    def finish() -> None:
+        _raise_any(errors, f"writing checkpoint {out}")
+        atomic_write_text(tmp / RUN_STATE, json.dumps({
+            "format": FORMAT,
+            "iteration": iteration,
+            "optimizer": optimizer.state_dict(),
+            "has_optimizer_state": bool(opt_sd),
+            "tensor_model_parallel_size": parallel.tp_size(),
+            "data_parallel_size": parallel.dp_size(),
+            "world_size": world,
+            "arch": arch.to_dict(),
+            "hf_source_dir": str(hf_source_dir) if hf_source_dir is not None else None,
+            "extra": extra,
+            "rng": rngs,
+        }, indent=1) + "\n")
+
+    return publish(main, tmp, out, save_dir, iteration, keep, finish)
 
 
 def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> dict | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import random
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
-from megamu.atomic import remove_dir
+from megamu.atomic import atomic_write_text, remove_dir
+from megamu.convert.io import replace_dir
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -99,3 +102,23 @@ def latest_iteration(load_dir: str | Path) -> int | None:
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
     return int(text)
+
+
+def publish(main: bool, tmp: Path, out: Path, save_dir: str | Path, iteration: int, keep: int,
+            finish: Callable[[], None]) -> Path:
+    """The end of a save, in both formats: rank 0 completes the folder ``tmp`` (``finish``), puts it in place of
+    ``out``, moves the tracker to it and applies retention; then every rank raises the same error if any step failed,
+    so none goes on alone."""
+    error = None
+    if main:
+        try:
+            finish()
+            replace_dir(tmp, out)
+            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
+            prune_checkpoints(save_dir, keep)
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
+    _raise_any(parallel.all_gather_object(error), f"saving checkpoint {out}")
+    return out

@@ -15,29 +15,26 @@ each writes the tensors ``writer_of`` assigns it.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megamu import parallel
-from megamu.atomic import atomic_write_text
 from megamu.convert.checkpoint import ARCH_FILE, load_mcore_into_model, read_arch, write_mcore_meta
-from megamu.convert.io import SafetensorsDir, make_temp_dir, replace_dir, write_index, write_shards
+from megamu.convert.io import SafetensorsDir, make_temp_dir, write_index, write_shards
 from megamu.convert.tp import gather_tensor, shard_tensor
 from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.model.spec import canonical_param_name
 from megamu.training.checkpoint_dirs import (
-    TRACKER,
     CheckpointError,
     _raise_any,
     _rng_state,
     _set_rng_state,
     _world,
     iteration_dir,
-    prune_checkpoints,
+    publish,
 )
 
 LEGACY_STATE = "state.json"
@@ -118,33 +115,25 @@ def save_legacy_checkpoint(
         for _ in items:
             pass
     written = parallel.all_gather_object((error, parts))
-    error = None
-    if main:
-        try:
-            _raise_any([e for e, _ in written], f"writing checkpoint {out}")
-            for part, fmt in (("model", "megamu-mcore"), ("optimizer", "megamu-optimizer")):
-                weight_map = {k: v for _, p in written for k, v in p[part][0].items()}
-                write_index(tmp / part, weight_map, sum(p[part][1] for _, p in written), {"format": fmt})
-            write_mcore_meta(tmp / "model", arch, hf_source_dir)
-            _write_json(tmp / "rng.json", rngs)
-            _write_json(tmp / "state.json", {
-                "format": FORMAT,
-                "iteration": iteration,
-                "optimizer": optimizer.state_dict(),
-                "tensor_model_parallel_size": parallel.tp_size(),
-                "data_parallel_size": parallel.dp_size(),
-                "world_size": world,
-                "extra": extra,
-            })
-            replace_dir(tmp, out)
-            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
-            prune_checkpoints(save_dir, keep)
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
-    _raise_any(parallel.all_gather_object(error), f"saving checkpoint {out}")
-    return out
+
+    def finish() -> None:
+        _raise_any([e for e, _ in written], f"writing checkpoint {out}")
+        for part, fmt in (("model", "megamu-mcore"), ("optimizer", "megamu-optimizer")):
+            weight_map = {k: v for _, p in written for k, v in p[part][0].items()}
+            write_index(tmp / part, weight_map, sum(p[part][1] for _, p in written), {"format": fmt})
+        write_mcore_meta(tmp / "model", arch, hf_source_dir)
+        _write_json(tmp / "rng.json", rngs)
+        _write_json(tmp / "state.json", {
+            "format": FORMAT,
+            "iteration": iteration,
+            "optimizer": optimizer.state_dict(),
+            "tensor_model_parallel_size": parallel.tp_size(),
+            "data_parallel_size": parallel.dp_size(),
+            "world_size": world,
+            "extra": extra,
+        })
+
+    return publish(main, tmp, out, save_dir, iteration, keep, finish)
 
 
 def load_legacy_checkpoint(folder: Path, model, arch: ModelArch, optimizer) -> dict:

@@ -126,7 +126,7 @@ def test_writer_assignment_is_balanced_and_complete():
 
 
 def test_retention_keeps_newest_and_the_tracked_one(run, tmp_path):
-    from megamu.training.checkpoint import TRACKER, prune_checkpoints
+    from megamu.training.checkpoint_dirs import TRACKER, prune_checkpoints
 
     model, opt = fresh(run["arch"])
     save = tmp_path / "save"

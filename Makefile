@@ -32,7 +32,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 $(SGLANG_STAMP):
 	@test -n "$(SGLANG_CPU)" || { echo "shared/sglang-cpu not found: set SGLANG_CPU=/path/to/sglang-cpu"; exit 1; }

@@ -325,17 +325,7 @@ def write_report(a, runs: list[RunResult]) -> None:
         out += [f"![per-update statistics]({fig_dir.name}/per_update.png)", ""]
     out += ["## The paper's claims at this scale", "", "Rules (fixed before the runs):", "", RULES, "",
             *[f"- {v}" for v in verdicts(main, a.lr, mu, low)], ""]
-    g = groups(main, a.lr)
-    out += ["## Staleness curve", ""]
-    if figs.staleness_curve(g, CURVE, low, fig_dir / "staleness.png"):
-        rows = sorted((k, v) for k, v in g.items() if k[0] in CURVE)
-        out += ["| method | μ | seeds | final | best | collapsed |", "|---|---|---|---|---|---|"]
-        out += [f"| {m} | {u} | {len(x.runs)} | {x.final:.3f} | {x.best:.3f} | {'yes' if x.collapsed else 'no'} |"
-                for (m, u), x in rows]
-        out += ["", f"![staleness curve]({fig_dir.name}/staleness.png)", ""]
-    else:
-        out += ["Not run yet (it needs the three methods at two or more μ; "
-                "`bench/fidelity.py --mu 4 64 ... --methods grpo-high-staleness grpo-relaxed mu-grpo`).", ""]
+    out += ["## Staleness curve", "", *staleness_section(main, a.lr, low, fig_dir, "staleness.png")]
     grpo_runs = [r for r in runs if r.method == "grpo" and r.mu == low]
     swept = [r for r in grpo_runs if r.seed == min(x.seed for x in grpo_runs)]  # the sweep ran on one seed
     out += ["## Learning-rate sweep (the rule that chose the lr)", ""]
@@ -362,6 +352,21 @@ def write_report(a, runs: list[RunResult]) -> None:
     a.report.write_text("\n".join(out) + "\n")
 
 
+def staleness_section(runs: list[RunResult], lr: float, low: int, fig_dir: Path, name: str) -> list[str]:
+    """The title question at one lr: final and best accuracy of CURVE's methods against μ, a table and a figure."""
+    import fidelity_figures as figs
+
+    g = groups(runs, lr)
+    if not figs.staleness_curve(g, CURVE, low, fig_dir / name):
+        return ["Not run yet (it needs the three methods at two or more μ; "
+                "`bench/fidelity.py --mu 4 64 ... --methods grpo-high-staleness grpo-relaxed mu-grpo`).", ""]
+    rows = sorted((k, v) for k, v in g.items() if k[0] in CURVE or k == ("grpo", low))
+    out = ["| method | μ | stages | seeds | final | best | collapsed |", "|---|---|---|---|---|---|---|"]
+    out += [f"| {m} | {u} | {x.runs[0].updates // u} | {len(x.runs)} | {x.final:.3f} | {x.best:.3f} | "
+            f"{'yes' if x.collapsed else 'no'} |" for (m, u), x in rows]
+    return out + ["", f"![staleness curve at lr {lr:g}]({fig_dir.name}/{name})", ""]
+
+
 def other_lrs(a, runs: list[RunResult], fig_dir: Path, mu: int, low: int) -> list[str]:
     """Runs of methods other than the sweep's at learning rates the rule did not choose: shown, never used above."""
     import fidelity_figures as figs
@@ -379,4 +384,7 @@ def other_lrs(a, runs: list[RunResult], fig_dir: Path, mu: int, low: int) -> lis
         if figs.fig3([by[m] for m in ("grpo", "grpo-high-staleness", *SCOPES) if m in by], fig_dir / name,
                      f"lr {lr:g}: accuracy and E[ρ|A<0]"):
             out += [f"![accuracy and E[ρ|A<0] at lr {lr:g}]({fig_dir.name}/{name})", ""]
+        if len({r.mu for r in at if r.method in CURVE}) > 1:
+            out += [f"Staleness curve at lr {lr:g}:", "",
+                    *staleness_section(at, lr, low, fig_dir, f"staleness_lr{lr:g}.png")]
     return out

@@ -14,9 +14,11 @@ from megamu.model.config import ModelArch, padded_vocab_size
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # column-parallel, whole KV groups
-_GLU = ("mlp.linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
-_COLS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # row-parallel: input dim split
-_REPLICATED = ("layernorm.weight", "layer_norm_weight")
+# MoE experts (mlp.experts.local_experts.<j>.linear_fc*) are sharded over the expert-TP group like a dense MLP;
+# megatron's expert TP size defaults to the TP size (parallel_state.py:786), the only setting megamu builds
+_GLU = ("linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
+_COLS = ("linear_proj.weight", "linear_fc2.weight")  # row-parallel: input dim split
+_REPLICATED = ("layernorm.weight", "layer_norm_weight", "mlp.router.weight")  # router: every rank holds all of it
 
 
 def _kind(name: str) -> str:

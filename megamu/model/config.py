@@ -12,14 +12,15 @@ import torch
 
 from megamu.errors import ConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe",)
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
 class ModelArch:
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # one of FAMILIES
     vocab_size: int  # true vocab (HF); the model pads it per TP size, see padded_vocab_size
     hidden_size: int
     num_layers: int
@@ -34,6 +35,12 @@ class ModelArch:
     qk_norm: bool
     tie_embeddings: bool
     max_position_embeddings: int
+    # mixture of experts (MOE_FAMILIES; 0 = dense): every layer's MLP is num_experts experts of moe_ffn_hidden_size,
+    # each token routed to moe_top_k of them; moe_norm_topk_prob: the k routing weights renormalised to sum to 1
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
 
     @classmethod
     def from_hf(cls, config_or_dir: Any) -> ModelArch:
@@ -73,6 +80,7 @@ class ModelArch:
             if missing:
                 raise ValueError(f"{family} config.rope_parameters (llama3) lacks {missing}")
             scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS}}
+        moe = _moe_fields(cfg, family, reject) if family in MOE_FAMILIES else {}
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(
@@ -88,9 +96,10 @@ class ModelArch:
             rope_scaling=scaling,
             norm_eps=cfg.rms_norm_eps,
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
+            **moe,
         )
 
     def to_dict(self) -> dict:
@@ -106,9 +115,22 @@ class ModelArch:
 
     def check_tp(self, tp: int) -> None:
         """TP splits whole KV groups (megatron's grouped QKV layout) and the SwiGLU width."""
-        for field in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        for field in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):
             if getattr(self, field) % tp:
                 raise ValueError(f"{self.family}: {field}={getattr(self, field)} is not divisible by TP={tp}")
+
+
+def _moe_fields(cfg: Any, family: str, reject) -> dict:
+    """Qwen3-MoE: every layer sparse (megamu builds no mixed dense/MoE stacks), no shared expert."""
+    reject("mlp_only_layers", bool)
+    reject("decoder_sparse_step", lambda v: v != 1)
+    reject("shared_expert_intermediate_size", bool)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not experts:
+        raise ValueError(f"{family} config has no num_experts")
+    return {"num_experts": int(experts), "moe_top_k": int(cfg.num_experts_per_tok),
+            "moe_ffn_hidden_size": int(cfg.moe_intermediate_size),
+            "moe_norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False))}
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -135,8 +157,6 @@ def recompute_fields(granularity: str | None) -> dict:
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
            "gradient_accumulation_fusion")
-
-
 
 
 def fusion_fields(transformer_impl: str) -> dict[str, bool]:
@@ -173,6 +193,8 @@ def transformer_config(
 ):
     from megatron.core.transformer import TransformerConfig
 
+    from megamu.model.moe import moe_config_fields
+
     arch.check_tp(tp)
     return TransformerConfig(
         **recompute_fields(recompute_granularity),
@@ -198,4 +220,5 @@ def transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         **fusion_fields(transformer_impl),
+        **moe_config_fields(arch, transformer_impl),
     )

@@ -100,6 +100,13 @@ class PortableAttention(torch.nn.Module):
 
 
 def layer_spec(arch: ModelArch, transformer_impl: str):
+    if arch.num_experts and transformer_impl in IMPLS:
+        from megamu.model.moe import moe_layer_spec
+
+        spec = moe_layer_spec(arch, transformer_impl)
+        if transformer_impl == "local":
+            spec.submodules.self_attention.submodules.core_attention = functools.partial(PortableAttention, arch=arch)
+        return spec
     if transformer_impl == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

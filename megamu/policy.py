@@ -70,6 +70,13 @@ class Policy:
         self.cfg = cfg
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
+        if self.arch.num_experts and parallel.tp_size() > 1:
+            # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (0.16.1
+            # transformer/moe/moe_layer.py:379), which megamu does not run; on CPU the MoE forward at TP > 1 also
+            # allocates on CUDA (tensor_parallel/mappings.py:141)
+            raise ConfigError("tensor_model_parallel_size", f"{parallel.tp_size()}: a mixture-of-experts model "
+                              "trains at tensor-parallel size 1 (megatron-core needs sequence parallelism for MoE "
+                              "with TP > 1, which megamu does not run)")
         impl = cfg.transformer_impl or cfg.device.transformer_impl
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
                                  recompute_granularity=cfg.recompute_granularity)

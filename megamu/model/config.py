@@ -180,6 +180,54 @@ def fusion_fields(transformer_impl: str) -> dict[str, bool]:
     return fields
 
 
+# Mixture-of-experts layers: the one device decision of how megatron-core runs them (the layer spec, in
+# megamu.model.spec.moe_layer_spec, follows it), and their TransformerConfig fields.
+#
+# CPU (local spec): ``SequentialMLP`` experts (one plain MLP per expert: megatron's grouped GEMM needs CUDA kernels),
+# the ``allgather`` token dispatcher (``alltoall`` creates a CUDA stream, ``transformer/moe/token_dispatcher.py:445``)
+# and megamu's CPU router (``megamu.model.moe_cpu``). GPU (Transformer Engine): grouped-GEMM experts, the ``alltoall``
+# dispatcher Megatron-LM uses with expert parallelism, megatron's own router.
+#
+# Router settings follow HF's Qwen3-MoE (softmax over all experts, then top-k; ``norm_topk_prob`` renormalises the k
+# weights): megatron's ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes those, which equals
+# normalised top-k probabilities; ``pre_softmax=True`` softmaxes all logits, then takes the top k, unnormalised.
+# No load-balancing loss: μ-GRPO's loss is the policy objective alone (HF adds its aux loss only when asked for
+# router logits).
+@dataclass(frozen=True)
+class MoeImpl:
+    grouped_gemm: bool  # TEGroupedMLP experts (GPU) vs SequentialMLP (CPU)
+    token_dispatcher: str  # megatron's moe_token_dispatcher_type
+    cpu_router: bool  # megamu.model.moe_cpu.CpuTopKRouter in place of megatron's TopKRouter
+
+
+def moe_impl(transformer_impl: str) -> MoeImpl:
+    """The device decision for MoE layers, made with the layer spec (``transformer_impl``)."""
+    if transformer_impl == "local":
+        return MoeImpl(grouped_gemm=False, token_dispatcher="allgather", cpu_router=True)
+    if transformer_impl == "transformer_engine":
+        return MoeImpl(grouped_gemm=True, token_dispatcher="alltoall", cpu_router=False)
+    raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected local or transformer_engine")
+
+
+def moe_config_fields(arch: ModelArch, transformer_impl: str) -> dict:
+    """TransformerConfig fields of an MoE arch (none for a dense one)."""
+    if not arch.num_experts:
+        return {}
+    impl = moe_impl(transformer_impl)
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_router_topk": arch.moe_top_k,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",  # HF's Qwen3-MoE softmaxes the router logits in fp32
+        "moe_grouped_gemm": impl.grouped_gemm,
+        "moe_token_dispatcher_type": impl.token_dispatcher,
+    }
+
+
 def transformer_config(
     arch: ModelArch,
     *,
@@ -192,8 +240,6 @@ def transformer_config(
     use_cpu_initialization: bool = True,
 ):
     from megatron.core.transformer import TransformerConfig
-
-    from megamu.model.moe import moe_config_fields
 
     arch.check_tp(tp)
     return TransformerConfig(

@@ -11,7 +11,7 @@ except for its router's gate, which refuses CPU twice:
 ``CpuTopKRouter`` replaces only ``gating`` (the gate's matmul, in ``moe_router_dtype`` as megatron's does): routing,
 top-k, score function and token dispatch stay megatron's. It is put into the layer spec through
 ``MoESubmodules.router`` (``transformer/moe/moe_layer.py:76``, the router builder field that megatron-core's own specs
-fill with ``TopKRouter``), by ``megamu.model.moe.moe_layer_spec`` on the local spec only: the GPU (Transformer Engine)
+fill with ``TopKRouter``), by ``megamu.model.spec.moe_layer_spec`` on the local spec only: the GPU (Transformer Engine)
 spec keeps megatron's router untouched.
 """
 

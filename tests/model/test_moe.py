@@ -6,7 +6,7 @@ import torch
 
 from megamu.convert import load_hf_into_model
 from megamu.model import ModelArch, build_model
-from megamu.model.moe import moe_config_fields, moe_impl
+from megamu.model.config import moe_config_fields, moe_impl
 from megamu.tiny import save_tiny_model
 from tests.numerics import reorder_rtol
 

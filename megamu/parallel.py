@@ -21,9 +21,10 @@ _device: Device = CPU  # set by init_distributed: the device this process trains
 
 def init_distributed(
     tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU,
-    distributed_timeout_minutes: float | None = None,
+    distributed_timeout_minutes: float | None = None, expert_model_parallel_size: int = 1,
 ) -> None:
-    """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice.
+    """Create the default process group and megatron's TP/DP groups (and expert-parallel groups of
+    ``expert_model_parallel_size`` ranks, for MoE models), then seed the RNGs. Safe to call twice.
 
     ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
@@ -56,8 +57,11 @@ def init_distributed(
     if tp < 1 or world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
     # megatron gives its TP/DP groups their own timeout (30 minutes unless told): the same one as the default group
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **_megatron_timeout(
-        distributed_timeout_minutes))
+    ep = int(expert_model_parallel_size)
+    if ep < 1 or world % (tp * ep):
+        raise ValueError(f"world size {world} is not divisible by TP x EP = {tp} x {ep}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             **_megatron_timeout(distributed_timeout_minutes))
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not device.is_cuda)

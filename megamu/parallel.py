@@ -154,6 +154,40 @@ def dp_group() -> dist.ProcessGroup:
     return parallel_state.get_data_parallel_group()
 
 
+def gathers_full_weights() -> bool:
+    """Whether this rank takes part in gathering the full weights (exports, engine pushes): the first data-parallel
+    replica's ranks, and at expert-parallel size > 1 also those holding the other experts, i.e. expert-data-parallel
+    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_rank() == 0
+
+
+def expert_dp_group() -> dist.ProcessGroup:
+    """The ranks holding the same experts of an MoE model (the data-parallel group at expert-parallel size 1)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_group()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def ep_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
 def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 

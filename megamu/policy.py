@@ -159,9 +159,10 @@ class Policy:
 
     def engine_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
-        elsewhere. Collective over rank 0's TP group only: its other ranks take part in each gather and drop the
-        tensor at once, and data-parallel replicas gather nothing, so no rank but 0 ever holds a full copy."""
-        if parallel.dp_rank() != 0:
+        elsewhere. Collective over rank 0's TP group (and, for an MoE model at EP > 1, the ranks holding the other
+        experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
+        nothing, so no rank but 0 ever holds a full copy."""
+        if not parallel.gathers_full_weights():
             return None
         dtype = DTYPES[self.export_dtype]
         gathered = mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))

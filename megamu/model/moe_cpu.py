@@ -5,12 +5,12 @@ except for its router's gate, which refuses CPU twice:
 
 - ``transformer/moe/router.py:88-92``, ``Router.gating``: a router weight (or bias) on CPU is moved to
   ``torch.cuda.current_device()`` on every forward ("Torch not compiled with CUDA enabled");
-- ``transformer/moe/moe_utils.py:1192`` (and ``:1226`` in the backward), ``RouterGatingLinearFunction``: tests
+- ``transformer/moe/moe_utils.py:1192`` (and ``:1225`` in the backward), ``RouterGatingLinearFunction``: tests
   ``te_general_gemm is not None``, a name only bound when Transformer Engine imports, so without TE: NameError.
 
 ``CpuTopKRouter`` replaces only ``gating`` (the gate's matmul, in ``moe_router_dtype`` as megatron's does): routing,
 top-k, score function and token dispatch stay megatron's. It is put into the layer spec through
-``MoESubmodules.router`` (``transformer/moe/moe_layer.py:76``, the router builder field that megatron-core's own specs
+``MoESubmodules.router`` (``transformer/moe/moe_layer.py:75``, the router builder field that megatron-core's own specs
 fill with ``TopKRouter``), by ``megamu.model.spec.moe_layer_spec`` on the local spec only: the GPU (Transformer Engine)
 spec keeps megatron's router untouched.
 """

@@ -182,12 +182,6 @@ def ep_size() -> int:
     return parallel_state.get_expert_model_parallel_world_size()
 
 
-def ep_group() -> dist.ProcessGroup:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_group()
-
-
 def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 

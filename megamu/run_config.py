@@ -207,7 +207,7 @@ def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: E
                    prompts: PromptsConfig, tp: int, world: int, ep: int = 1, gpu_memory_gib: float,
                    for_gpu: bool) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
-    for models the plan does not model, e.g. MoE layers, with a note)."""
+    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note)."""
     if model_config is None or not for_gpu:
         return None
     try:

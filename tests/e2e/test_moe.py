@@ -42,3 +42,17 @@ def _hf_tensor(folder, name: str) -> torch.Tensor:
     from megamu.convert.io import SafetensorsDir
 
     return SafetensorsDir(folder).get(name)
+
+
+@pytest.mark.parametrize("world, flag", [("2", "--expert-model-parallel-size"), ("3", "--expert-model-parallel-size")])
+def test_expert_parallelism_is_refused_on_cpu_and_must_divide_the_world(tmp_path, monkeypatch, capsys, world, flag):
+    # world 2: TP x EP divides it, but megatron-core runs EP on CUDA only; world 3: TP x EP = 2 does not divide it
+    from megamu.arguments import parse_args
+
+    model = save_tiny_model(tmp_path / "tiny-qwen3-moe", "qwen3_moe", seed=3)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags(model, tmp_path / "bad", "--expert-model-parallel-size", "2"))
+    message = str(e.value) + capsys.readouterr().err
+    assert flag in message
+    assert ("CUDA only" in message) if world == "2" else ("does not divide world size 3" in message)

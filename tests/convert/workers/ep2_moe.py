@@ -5,8 +5,11 @@ megatron-core 0.16.1 refuses the MoE forward at EP > 1 on CPU (tensor_parallel/m
 Args: hf_dir, export_dir, torch_dist_dir."""
 
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's megamu and tests, not an installed one
 
 
 def main(hf_dir, export_dir, dist_dir):

@@ -5,8 +5,11 @@ files. Then where megatron-core 0.16.1 stops on CPU: the MoE forward at TP=2, an
 tensor_parallel/mappings.py:141 (a CUDA allocation). Args: hf_dir, torch_dist_dir, mbridge_export, megamu_export."""
 
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's megamu and tests, not an installed one
 
 
 def _forward_is_refused(model, vocab: int) -> str:
@@ -24,30 +27,17 @@ def _forward_is_refused(model, vocab: int) -> str:
 def main(hf_dir, dist_dir, mbridge_export, megamu_export):
     from megatron.core import parallel_state
 
-    from megamu.convert import export_hf, load_hf_into_model
-    from megamu.convert.bridge import load_hf_via_mbridge, torch_dist_to_hf
+    from megamu.convert import export_hf
+    from megamu.convert.bridge import torch_dist_to_hf
     from megamu.model import ModelArch, build_model
     from megamu.parallel import init_distributed
-    from megamu.training.checkpoint import load_model_checkpoint
+    from tests.convert.workers.tp2_mbridge import three_loads_agree
 
     torch.set_num_threads(1)
     init_distributed(2)
     arch = ModelArch.from_hf(hf_dir)
-    ref = build_model(arch)
-    load_hf_into_model(ref, arch, hf_dir)  # megamu's own mapping
-    bridged = build_model(arch)
-    load_hf_via_mbridge(bridged, arch, hf_dir)
-    from_dist = build_model(arch)
-    assert load_model_checkpoint(dist_dir, from_dist) == 0
-    rows = arch.vocab_size - torch.distributed.get_rank() * ref.embedding.word_embeddings.weight.shape[0]
-    experts = 0
-    for (name, want), (_, a), (_, b) in zip(ref.named_parameters(), bridged.named_parameters(),
-                                            from_dist.named_parameters()):
-        if "word_embeddings" in name or "output_layer" in name:  # padded vocab rows are masked, never read
-            want, a, b = want[:max(rows, 0)], a[:max(rows, 0)], b[:max(rows, 0)]
-        assert torch.equal(a, want), f"mbridge: {name}"
-        assert torch.equal(b, want), f"torch_dist TP1 -> TP2: {name}"
-        experts += ".local_experts." in name
+    ref = three_loads_agree(arch, hf_dir, dist_dir)
+    experts = sum(".local_experts." in name for name, _ in ref.named_parameters())
     assert experts == arch.num_layers * arch.num_experts * 2
     torch_dist_to_hf(dist_dir, hf_dir, mbridge_export, dtype="fp32")
     export_hf(ref, arch, megamu_export, hf_source_dir=hf_dir, dtype="fp32")

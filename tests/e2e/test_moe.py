@@ -31,6 +31,17 @@ def test_two_stage_mu_grpo_on_qwen3_moe(tmp_path):
         assert not torch.equal(final[name], _hf_tensor(model, name)), name
 
 
+def test_two_data_parallel_ranks_on_qwen3_moe(tmp_path):
+    """DP = 2 at EP = 1: each rank holds every expert; gradients, exports and checkpoints agree across ranks."""
+    model = save_tiny_model(tmp_path / "tiny-qwen3-moe", "qwen3_moe", seed=3)
+    save = tmp_path / "run"
+    launch(flags(model, save), nproc=2)
+    updates = records(save, "update")
+    assert [u["update"] for u in updates] == list(range(STAGES * MU))
+    for first in (updates[0], updates[MU]):
+        assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
 def test_tensor_parallel_moe_training_is_refused_with_the_reason(tmp_path):
     model = save_tiny_model(tmp_path / "tiny-qwen3-moe", "qwen3_moe", seed=3)
     proc = launch(flags(model, tmp_path / "run", "--tensor-model-parallel-size", "2"), nproc=2, check=False)

@@ -80,9 +80,9 @@ _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def _ep() -> tuple[int, int]:
-    from megatron.core import parallel_state
+    from megamu import parallel
 
-    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+    return parallel.ep_rank(), parallel.ep_size()
 
 
 def global_expert_name(name: str, arch: ModelArch, ep_rank: int, ep_size: int) -> str:

@@ -36,7 +36,8 @@ def main(argv=None) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
     parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
-                              distributed_timeout_minutes=cfg.distributed_timeout_minutes)
+                              distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+                              expert_model_parallel_size=cfg.expert_model_parallel_size)
     from megamu.loop.async_ import train_async
     from megamu.loop.run import Run
     from megamu.loop.staged import train_staged

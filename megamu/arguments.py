@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and parallelism (Megatron names)")
     g.add_argument("--hf-checkpoint", default=None, help="initial policy as an HF folder (default: the demo model)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=_default(RunConfig, "tensor_model_parallel_size"))
+    g.add_argument("--expert-model-parallel-size", type=int,
+                   default=_default(RunConfig, "expert_model_parallel_size"),
+                   help="mixture-of-experts models: experts split over this many ranks (their count and top-k come "
+                        "from the HF config); GPU only, megatron-core runs expert parallelism on CUDA only")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     g.add_argument("--bf16", action="store_true")
@@ -352,6 +356,9 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
+    model_parallel = args.tensor_model_parallel_size * args.expert_model_parallel_size
+    if model_parallel > 0 and world % model_parallel:
+        _error("--expert-model-parallel-size", f"TP x EP = {model_parallel} does not divide world size {world}")
     reward_config(args)  # its errors before any path check
     check_paths(args)
     check_device(args, device)
@@ -416,12 +423,14 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         async_=async_, prompts=prompts, save=save,
         tensorboard_dir=args.tensorboard_dir or str(RunDir(save).tensorboard), seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
         cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         keep_hf_exports=args.keep_hf_exports,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
         memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
-                              tp=args.tensor_model_parallel_size, world=int(os.environ.get("WORLD_SIZE", "1")),
+                              tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+                              world=int(os.environ.get("WORLD_SIZE", "1")),
                               gpu_memory_gib=args.gpu_memory_gib, for_gpu=device.is_cuda or args.bf16
                               or args.transformer_impl == "transformer_engine"))

@@ -4,6 +4,10 @@ Pure arithmetic: no torch, no CUDA, no I/O. ``plan_memory(MemoryPlanConfig(...))
 ``table()`` the dry run prints and whose ``check()`` refuses a plan that cannot fit the device.
 
 Where the numbers come from (bytes per GPU; t = TP, d = DP):
+- Mixture of experts (Qwen3-MoE): the experts' parameters are split over the expert-parallel ranks (whole experts,
+  each one split over TP as megatron's expert-TP size defaults to), their optimiser state sharded over the
+  expert-data-parallel ranks (DP / EP) as megatron's DistributedOptimizer shards expert parameters; the router is
+  whole on every rank. Activations follow the active parameters: each token passes through k experts.
 - Trainer state, as megamu's GPU optimiser builds it (``megamu.training.optimizer``: megatron DDP with
   ``grad_reduce_in_fp32=True`` and the DistributedOptimizer): the params in their dtype, an fp32 gradient buffer
   (unsharded), and with the DistributedOptimizer fp32 main params (bf16 only) and the two fp32 Adam moments sharded
@@ -27,11 +31,12 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megamu.errors import ConfigError
+from megamu.model_shape import ModelShape, padded_vocab, require_positive
+
+__all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
 
 GIB = 2**30
 # CUDA context + NCCL communicators of one process on one GPU. the project's GPU-path notes ("Memory of the paper's
@@ -45,78 +50,6 @@ RECOMPUTE = (None, "selective", "full")
 _RECOMPUTE_LABEL = {None: "no recompute", "selective": "selective recompute", "full": "full recompute"}
 MODES = ("staged", "colocated", "async")
 IMPLS = ("transformer_engine", "local")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def _positive(name: str, value, kind=int) -> None:
-    if not isinstance(value, kind) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(name, f"must be a positive {kind.__name__}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dense decoder's shape, as an HF config of the Llama / Qwen2 / Qwen3 family gives it."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2: q/k/v biases
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-                     "vocab_size"):
-            _positive(name, getattr(self, name))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping) -> ModelShape:
-        """From an HF config.json's dict. MoE configs are refused: their expert state is not modelled."""
-        for key in _MOE_KEYS:
-            if config.get(key):
-                raise ConfigError("model", f"{key}={config[key]}: mixture-of-experts models are not modelled")
-        heads = config["num_attention_heads"]
-        return cls(
-            hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2", qk_norm=config.get("model_type") == "qwen3",
-        )
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:  # K and V together
-        return 2 * self.num_kv_heads * self.head_dim
-
-    def param_counts(self, tp: int = 1, vocab: int | None = None) -> tuple[int, int]:
-        """(parameters split over TP, parameters every TP rank holds whole) of the whole model, for a vocab of
-        ``vocab`` rows (default: the HF vocab; megatron pads it, see ``padded_vocab``). Per rank: split / tp + whole."""
-        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_width, self.kv_width
-        v = self.vocab_size if vocab is None else vocab
-        layer_split = h * (q + kv) + q * h + 3 * h * f + (q + kv if self.qkv_bias else 0)
-        layer_whole = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        split = self.num_layers * layer_split + v * h * (1 if self.tie_embeddings else 2)
-        return split, self.num_layers * layer_whole + h
-
-    def num_parameters(self) -> int:
-        split, whole = self.param_counts()
-        return split + whole
-
-
-def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: a multiple of 128 x TP (same rule as megamu.model.config.padded_vocab_size)."""
-    return math.ceil(vocab_size / (divisible_by * tp)) * divisible_by * tp
 
 
 @dataclass(frozen=True)
@@ -135,6 +68,7 @@ class MemoryPlanConfig:
     max_response_len: int | None = None  # scored positions per row (train_step scores responses); None: max_seq_len
     params_dtype: str = "bf16"
     tp: int = 1
+    ep: int = 1  # expert-parallel size (MoE): experts split over ep ranks, expert-data-parallel size dp / ep
     dp: int = 1
     distributed_optimizer: bool = True
     recompute_granularity: str | None = None
@@ -152,10 +86,10 @@ class MemoryPlanConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
             raise ConfigError("model", f"must be a ModelShape, got {type(self.model).__name__}")
-        for name in ("micro_batch_size", "max_seq_len", "tp", "dp", "servers_per_gpu", "server_tp"):
-            _positive(name, getattr(self, name))
+        for name in ("micro_batch_size", "max_seq_len", "tp", "ep", "dp", "servers_per_gpu", "server_tp"):
+            require_positive(name, getattr(self, name))
         if self.max_response_len is not None:
-            _positive("max_response_len", self.max_response_len)
+            require_positive("max_response_len", self.max_response_len)
             if self.max_response_len > self.max_seq_len:
                 raise ConfigError("max_response_len", f"{self.max_response_len} exceeds max_seq_len={self.max_seq_len}")
         if self.params_dtype not in DTYPE_BYTES:
@@ -167,9 +101,14 @@ class MemoryPlanConfig:
         if self.rollout_mode not in MODES:
             raise ConfigError("rollout_mode", f"{self.rollout_mode!r}: expected one of {MODES}")
         m = self.model
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):  # megatron splits whole KV groups over TP
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):  # whole KV groups
             if getattr(m, name) % self.tp:
                 raise ConfigError("tp", f"{self.tp} does not divide the model's {name}={getattr(m, name)}")
+        if self.ep > 1 and not m.num_experts:
+            raise ConfigError("ep", f"{self.ep}: expert parallelism needs a mixture-of-experts model")
+        if m.num_experts % self.ep or self.dp % self.ep:
+            raise ConfigError("ep", f"{self.ep} must divide num_experts={m.num_experts} and the data-parallel size "
+                                    f"{self.dp} (megatron's expert-data-parallel size is dp / ep)")
         if m.num_kv_heads % self.server_tp and self.server_tp % m.num_kv_heads:
             raise ConfigError("server_tp", f"{self.server_tp} does not split num_kv_heads={m.num_kv_heads}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -216,17 +155,31 @@ def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     b, s = c.micro_batch_size, c.max_seq_len
     e = DTYPE_BYTES[c.params_dtype]
     tokens = b * s
-    h, f, q, kv = m.hidden_size, m.ffn_hidden_size, m.q_width, m.kv_width
+    h, q, kv = m.hidden_size, m.q_width, m.kv_width
     parts = {
         "norm inputs and outputs": 4 * h * e * tokens,
         "attention (qkv, roped q/k, output)": (2 * q + kv + q + kv / 2) / t * e * tokens,
-        "swiglu": 5 * f / t * e * tokens,
+        **_mlp_activation_parts(m, t, e, tokens),
         "fp32 statistics": (m.num_heads / t + 2) * 4 * tokens,
         "rope cos/sin": 4 * m.head_dim * s * e,
     }
     if c.transformer_impl == "local":
         parts["norm inputs and outputs"] += 2 * h * e * tokens
     return parts
+
+
+def _mlp_activation_parts(m: ModelShape, t: int, e: int, tokens: int) -> dict[str, float]:
+    """The MLP's saved tensors: SwiGLU 5f/t per token (above); an MoE layer runs it on k rows per token (the
+    permuted tokens), and also keeps the grouped GEMM's input (k h: the permuted tokens), the experts' output that
+    the routing weights scale (k h), the router's fp32 logits and routing scores over all experts (2 E x 4 bytes),
+    its routing map (E bools) and each routed row's weight (k x 4). Counted from megatron-core 0.16.1's MoE layer
+    (alltoall dispatcher, grouped GEMM), not measured: no GPU has run it yet."""
+    if not m.num_experts:
+        return {"swiglu": 5 * m.ffn_hidden_size / t * e * tokens}
+    k, experts = m.moe_top_k, m.num_experts
+    return {"swiglu (k experts per token)": 5 * m.active_ffn_width / t * e * tokens,
+            "moe dispatch (permuted tokens, expert outputs)": 2 * k * m.hidden_size * e * tokens,
+            "moe router (fp32 logits and scores, map, weights)": (2 * experts * 4 + experts + 4 * k) * tokens}
 
 
 def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
@@ -288,7 +241,10 @@ class MemoryPlan:
     def table(self) -> str:
         device = self.config.gpu_memory_gib
         width = max(len(r.part) for r in self._rows) + 4
-        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB)"]
+        c = self.config
+        layout = f"TP {c.tp} x DP {c.dp}" + (f", EP {c.ep} ({c.model.num_experts // c.ep} of {c.model.num_experts} "
+                                             f"experts per GPU)" if c.model.num_experts else "")
+        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB; trainer {layout})"]
         for phase in self.phases():
             lines.append(phase)
             for r in self._rows:
@@ -329,16 +285,22 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     ctx = int(c.cuda_context_gib * GIB)
     device = int(c.gpu_memory_gib * GIB)
     split, whole = m.param_counts(c.tp, padded_vocab(m.vocab_size, c.tp))
-    n_local = split // c.tp + whole  # parameters on one trainer rank
-    shard = c.dp if c.distributed_optimizer else 1
+    dense_local = split // c.tp + whole
+    expert_local = m.expert_params() // (c.tp * c.ep)
+    n_local = dense_local + expert_local  # parameters on one trainer rank
+    dp_shard, edp_shard = (c.dp, c.dp // c.ep) if c.distributed_optimizer else (1, 1)
+
+    def sharded(bytes_per_param: int) -> int:
+        return dense_local * bytes_per_param // dp_shard + expert_local * bytes_per_param // edp_shard
+
     params, grads = n_local * e, n_local * 4
-    main = n_local * 4 // shard if c.params_dtype != "fp32" else 0
-    moments = n_local * 8 // shard
+    main = sharded(4) if c.params_dtype != "fp32" else 0
+    moments = sharded(8)
     state = [("params (" + c.params_dtype + ")", params), ("fp32 main params", main), ("fp32 grad buffer", grads),
              ("Adam moments (fp32 x2)", moments)]
 
     s_split, s_whole = m.param_counts()
-    server_weights = int((s_split / c.server_tp + s_whole) * e)
+    server_weights = int(((s_split + m.expert_params()) / c.server_tp + s_whole) * e)
 
     no_kv: list[str] = []
 

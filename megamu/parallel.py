@@ -21,9 +21,10 @@ _device: Device = CPU  # set by init_distributed: the device this process trains
 
 def init_distributed(
     tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU,
-    distributed_timeout_minutes: float | None = None,
+    distributed_timeout_minutes: float | None = None, expert_model_parallel_size: int = 1,
 ) -> None:
-    """Create the default process group and megatron's TP/DP groups, then seed the RNGs. Safe to call twice.
+    """Create the default process group and megatron's TP/DP groups (and expert-parallel groups of
+    ``expert_model_parallel_size`` ranks, for MoE models), then seed the RNGs. Safe to call twice.
 
     ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
@@ -56,8 +57,11 @@ def init_distributed(
     if tp < 1 or world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
     # megatron gives its TP/DP groups their own timeout (30 minutes unless told): the same one as the default group
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **_megatron_timeout(
-        distributed_timeout_minutes))
+    ep = int(expert_model_parallel_size)
+    if ep < 1 or world % (tp * ep):
+        raise ValueError(f"world size {world} is not divisible by TP x EP = {tp} x {ep}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             **_megatron_timeout(distributed_timeout_minutes))
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not device.is_cuda)
@@ -148,6 +152,34 @@ def dp_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group()
+
+
+def gathers_full_weights() -> bool:
+    """Whether this rank takes part in gathering the full weights (exports, engine pushes): the first data-parallel
+    replica's ranks, and at expert-parallel size > 1 also those holding the other experts, i.e. expert-data-parallel
+    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_rank() == 0
+
+
+def expert_dp_group() -> dist.ProcessGroup:
+    """The ranks holding the same experts of an MoE model (the data-parallel group at expert-parallel size 1)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_group()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
 
 
 def is_main_rank() -> bool:

@@ -70,6 +70,13 @@ class Policy:
         self.cfg = cfg
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
+        if self.arch.num_experts and parallel.tp_size() > 1:
+            # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (0.16.1
+            # transformer/moe/moe_layer.py:379), which megamu does not run; on CPU the MoE forward at TP > 1 also
+            # allocates on CUDA (tensor_parallel/mappings.py:141)
+            raise ConfigError("tensor_model_parallel_size", f"{parallel.tp_size()}: a mixture-of-experts model "
+                              "trains at tensor-parallel size 1 (megatron-core needs sequence parallelism for MoE "
+                              "with TP > 1, which megamu does not run)")
         impl = cfg.transformer_impl or cfg.device.transformer_impl
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
                                  recompute_granularity=cfg.recompute_granularity)
@@ -152,9 +159,10 @@ class Policy:
 
     def engine_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
-        elsewhere. Collective over rank 0's TP group only: its other ranks take part in each gather and drop the
-        tensor at once, and data-parallel replicas gather nothing, so no rank but 0 ever holds a full copy."""
-        if parallel.dp_rank() != 0:
+        elsewhere. Collective over rank 0's TP group (and, for an MoE model at EP > 1, the ranks holding the other
+        experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
+        nothing, so no rank but 0 ever holds a full copy."""
+        if not parallel.gathers_full_weights():
             return None
         dtype = DTYPES[self.export_dtype]
         gathered = mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))

@@ -164,6 +164,7 @@ class RunConfig:
     tensorboard_dir: str
     seed: int
     tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1  # MoE: experts split over this many ranks (GPU only)
     distributed_timeout_minutes: float | None = None
     cpu_threads: int | None = None  # CPU async mode: the trainer's torch threads (the engine process has the rest)
     log_interval: int = 1
@@ -176,7 +177,12 @@ class RunConfig:
     memory: MemoryPlanConfig | None = None  # GPU runs whose model config is readable: what each GPU holds per phase
 
     def __post_init__(self):
-        check_positive(self, "tensor_model_parallel_size", "log_interval", "cpu_threads")
+        check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads")
+        if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
+            # megatron-core 0.16.1's allgather dispatcher gathers the tokens over TP x EP into a CUDA tensor
+            # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
+            raise ConfigError("expert_model_parallel_size", f"{self.expert_model_parallel_size}: megatron-core runs "
+                              "expert parallelism on CUDA only")
         check_non_negative(self, "save_interval", "hf_export_interval", "keep_hf_exports")
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
@@ -198,10 +204,10 @@ class RunConfig:
 
 
 def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: EngineConfig, plan: Plan,
-                   prompts: PromptsConfig, tp: int, world: int, gpu_memory_gib: float,
+                   prompts: PromptsConfig, tp: int, world: int, ep: int = 1, gpu_memory_gib: float,
                    for_gpu: bool) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
-    for models the plan does not model, e.g. MoE layers, with a note)."""
+    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note)."""
     if model_config is None or not for_gpu:
         return None
     try:
@@ -216,7 +222,7 @@ def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: E
     return MemoryPlanConfig(
         model=model, micro_batch_size=policy.micro_batch_size,
         max_seq_len=prompts.max_prompt_length + plan.max_response_len, max_response_len=plan.max_response_len,
-        params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, dp=max(1, world // tp),
+        params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, ep=ep, dp=max(1, world // tp),
         recompute_granularity=policy.recompute_granularity,
         transformer_impl=policy.transformer_impl or "transformer_engine", rollout_mode=plan.rollout_mode,
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),

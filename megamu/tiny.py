@@ -51,8 +51,9 @@ TINY_DEFAULTS = dict(
 
 
 def tiny_hf_config(family: str = "llama", vocab_size: int | None = None, **overrides):
-    """A transformers config for a tiny model of ``family`` in {llama, qwen2, qwen3}; GQA by default."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config for a tiny model of ``family`` in {llama, qwen2, qwen3, qwen3_moe}; GQA by default.
+    qwen3_moe: 4 experts of width 32, top-2, renormalised routing weights (Qwen3-30B-A3B's router settings)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab = vocab_size if vocab_size is not None else len(build_char_tokenizer())
     kw = dict(TINY_DEFAULTS, vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -67,7 +68,14 @@ def tiny_hf_config(family: str = "llama", vocab_size: int | None = None, **overr
         kw.setdefault("tie_word_embeddings", False)
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
         return Qwen3Config(**kw)
-    raise ValueError(f"unknown tiny model family {family!r}; expected llama, qwen2 or qwen3")
+    if family == "qwen3_moe":
+        kw.setdefault("tie_word_embeddings", False)
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+        for key, value in (("num_experts", 4), ("num_experts_per_tok", 2), ("moe_intermediate_size", 32),
+                           ("norm_topk_prob", True)):
+            kw.setdefault(key, value)
+        return Qwen3MoeConfig(**kw)
+    raise ValueError(f"unknown tiny model family {family!r}; expected llama, qwen2, qwen3 or qwen3_moe")
 
 
 def save_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -9,6 +9,13 @@ and more in 0.15.1). What megamu adds, and why:
   ``linear_fc1.layer_norm_weight``): TE fuses each norm into the next linear. The CPU (local) spec keeps them as
   modules, ``input_layernorm`` and ``pre_mlp_layernorm``, which mbridge 0.15.1 rejects ("Unsupported parameter
   name", core/bridge.py ``_weight_name_mapping_other`` / ``_weight_name_mapping_mlp``). Two name entries fix that.
+- Expert names. mbridge 0.15.1 maps MoE experts by their grouped-GEMM names only (``mlp.experts.linear_fc1.weight<i>``,
+  the TE spec's ``TEGroupedMLP``: the expert index is what follows "weight"). The CPU spec's ``SequentialMLP`` has one
+  module per expert, ``mlp.experts.local_experts.<i>.linear_fc1.weight``, which mbridge would map to expert ""; a
+  name entry gives it HF's ``mlp.experts.<i>.{gate,up,down}_proj``. Its TP split and merge are mbridge's own
+  (fc1 by its "linear_fc1.weight" rule, fc2 along the parameter's partition dim). mbridge's expert-parallel index
+  translation also keys on the grouped-GEMM names, so on the local spec this holds at EP=1 only (megamu builds no
+  other; megatron-core 0.16.1 does not run EP on CPU anyway, see docs/checkpoints.md).
 - Vocab padding. megamu pads the vocab to a multiple of 128 * TP (Megatron-LM's rule); mbridge pads only when its
   own model provider builds the model, so the bridge is told the padded size here.
 - dtype. mbridge casts HF tensors to its ``dtype`` (bfloat16 unless told): the model's own dtype is passed.
@@ -33,6 +40,11 @@ _LOCAL_SPEC_NORMS = {  # local-spec parameter -> HF tensor (mbridge has these un
     # "pre_mlp_layernorm" contains "mlp": mbridge looks it up among the MLP names
     "mlp": {"pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]},
 }
+_LOCAL_EXPERTS = {  # SequentialMLP's expert parameter -> HF tensors of expert {expert}
+    "linear_fc1.weight": ["model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                          "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"],
+    "linear_fc2.weight": ["model.layers.{layer}.mlp.experts.{expert}.down_proj.weight"],
+}
 
 
 def supported_families() -> list[str]:
@@ -56,7 +68,27 @@ def bridge_for(model, arch: ModelArch, hf_dir: str | Path):
     if any(n.endswith("input_layernorm.weight") for n in names):  # the local spec
         bridge._OTHER_MAPPING = {**bridge._OTHER_MAPPING, **_LOCAL_SPEC_NORMS["other"]}
         bridge._MLP_MAPPING = {**bridge._MLP_MAPPING, **_LOCAL_SPEC_NORMS["mlp"]}
+    if any(".mlp.experts.local_experts." in n for n in names):
+        _map_local_experts(bridge)
     return bridge
+
+
+def _map_local_experts(bridge) -> None:
+    """Name entries for SequentialMLP experts (module docstring), ahead of mbridge's grouped-GEMM ones."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() != 1:
+        raise NotImplementedError("mbridge maps SequentialMLP experts (the local spec) at expert-parallel size 1 only")
+    grouped = bridge._weight_name_mapping_mlp
+
+    def mapping(name: str) -> list[str]:
+        if ".mlp.experts.local_experts." not in name:
+            return grouped(name)
+        layer = name.split(".")[2]  # decoder.layers.<layer>.mlp.experts.local_experts.<expert>.<suffix>
+        expert, suffix = name.split(".local_experts.", 1)[1].split(".", 1)
+        return [n.format(layer=layer, expert=expert) for n in _LOCAL_EXPERTS[suffix]]
+
+    bridge._weight_name_mapping_mlp = mapping
 
 
 @torch.no_grad()

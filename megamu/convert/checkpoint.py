@@ -145,12 +145,12 @@ def export_hf(
 
     ``dtype`` (``--export-dtype``) defaults to the training precision (``training_dtype``): a bf16 run's rollouts
     are served in bf16, and its exports are half the size of fp32 ones."""
-    from megamu.parallel import barrier, dp_rank, is_main_rank
+    from megamu.parallel import barrier, gathers_full_weights, is_main_rank
 
     dtype = training_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)  # on every rank, before any collective
     error = None
-    if dp_rank() == 0:  # other replicas hold the same weights
+    if gathers_full_weights():  # other replicas hold the same weights
         hf = mcore_to_hf_tensors(arch, full_state_dict(model, arch))
         if is_main_rank():
             try:

@@ -38,12 +38,26 @@ def plan(arch: ModelArch) -> list[Entry]:
             entries.append(Entry(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "copy"))
         entries.append(Entry(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "copy"))
         entries.append(Entry(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "copy"))
+        if arch.num_experts:
+            entries += _moe_entries(arch, hf, mc)
+            continue
         entries.append(Entry(mc + "mlp.linear_fc1.weight",
                              (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), "fc1"))
         entries.append(Entry(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy"))
     entries.append(Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
     if not arch.tie_embeddings:
         entries.append(Entry("output_layer.weight", ("lm_head.weight",), "copy"))
+    return entries
+
+
+def _moe_entries(arch: ModelArch, hf: str, mc: str) -> list[Entry]:
+    """One MoE layer: the router (HF's ``mlp.gate``) and each expert's MLP. Canonical names are ``SequentialMLP``'s
+    (the CPU spec's experts, ``mlp.experts.local_experts.<j>``) with the global expert index, i.e. at EP=1."""
+    entries = [Entry(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy")]
+    for j in range(arch.num_experts):
+        src, dst = f"{hf}mlp.experts.{j}.", f"{mc}mlp.experts.local_experts.{j}."
+        entries.append(Entry(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"), "fc1"))
+        entries.append(Entry(dst + "linear_fc2.weight", (src + "down_proj.weight",), "copy"))
     return entries
 
 

@@ -1,10 +1,13 @@
 """Tensor-parallel split and merge of canonical tensors: the one place that knows how each parameter is sharded.
 
 Works for anything shaped like a parameter (weights, Adam's exp_avg / exp_avg_sq), keyed by the canonical name.
+MoE experts are also split over expert-parallel ranks, whole experts each: megatron's SequentialMLP numbers them
+locally (``local_experts.<j>``, j < E / EP on every rank), canonical names carry the global index.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Iterator
 
 import torch
@@ -14,9 +17,11 @@ from megamu.model.config import ModelArch, padded_vocab_size
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # column-parallel, whole KV groups
-_GLU = ("mlp.linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
-_COLS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # row-parallel: input dim split
-_REPLICATED = ("layernorm.weight", "layer_norm_weight")
+# MoE experts (mlp.experts.local_experts.<j>.linear_fc*) are sharded over the expert-TP group like a dense MLP;
+# megatron's expert TP size defaults to the TP size (parallel_state.py:786), the only setting megamu builds
+_GLU = ("linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
+_COLS = ("linear_proj.weight", "linear_fc2.weight")  # row-parallel: input dim split
+_REPLICATED = ("layernorm.weight", "layer_norm_weight", "mlp.router.weight")  # router: every rank holds all of it
 
 
 def _kind(name: str) -> str:
@@ -71,6 +76,24 @@ def gather_tensor(name: str, local: torch.Tensor, arch: ModelArch) -> torch.Tens
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
 
 
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _ep() -> tuple[int, int]:
+    from megamu import parallel
+
+    return parallel.ep_rank(), parallel.ep_size()
+
+
+def global_expert_name(name: str, arch: ModelArch, ep_rank: int, ep_size: int) -> str:
+    """The canonical name of expert-parallel rank ``ep_rank``'s local expert parameter ``name`` (others unchanged)."""
+    m = _LOCAL_EXPERT.search(name)
+    if m is None or ep_size == 1:
+        return name
+    expert = ep_rank * (arch.num_experts // ep_size) + int(m.group(1))
+    return f"{name[: m.start()]}.local_experts.{expert}.{name[m.end():]}"
+
+
 def _named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
     from megamu.model.build import unwrap
     from megamu.model.spec import canonical_param_name
@@ -80,9 +103,20 @@ def _named_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
 
 
 def full_state_dict(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, full tensor) one at a time; every TP rank must iterate (each step is a collective)."""
+    """(canonical name, full tensor) one at a time; every TP and EP rank must iterate (each step is a collective).
+    At EP > 1 each expert parameter comes from every expert-parallel rank, gathered over the EP group."""
+    _, ep = _ep()
     for name, p in _named_parameters(model):
-        yield name, gather_tensor(name, p, arch)
+        full = gather_tensor(name, p, arch)
+        if ep == 1 or not _LOCAL_EXPERT.search(name):
+            yield name, full
+            continue
+        from megatron.core import parallel_state
+
+        parts = [torch.empty_like(full) for _ in range(ep)]
+        dist.all_gather(parts, full.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+        for r, part in enumerate(parts):
+            yield global_expert_name(name, arch, r, ep), part
 
 
 @torch.no_grad()
@@ -98,8 +132,12 @@ def load_full_state_dict(
 
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
-    missing, loaded = [], set()
-    for name, p in _named_parameters(model):
+    ep_rank, ep = _ep()
+    missing, loaded, elsewhere = [], set(), set()  # elsewhere: other expert-parallel ranks' experts
+    for local_name, p in _named_parameters(model):
+        name = global_expert_name(local_name, arch, ep_rank, ep)
+        if ep > 1 and _LOCAL_EXPERT.search(local_name):
+            elsewhere |= {global_expert_name(local_name, arch, r, ep) for r in range(ep)}
         try:
             full = get_tensor(name)
         except KeyError:
@@ -111,6 +149,6 @@ def load_full_state_dict(
                              f"TP rank {rank}/{size}, model has {tuple(p.shape)}")
         p.copy_(local)
         loaded.add(name)
-    unexpected = sorted(set(names) - loaded) if names is not None else []
+    unexpected = sorted(set(names) - loaded - elsewhere) if names is not None else []
     if missing or unexpected:
         raise KeyError(f"{arch.family} model: missing tensors {missing}, unexpected tensors {unexpected}")

@@ -12,14 +12,15 @@ import torch
 
 from megamu.errors import ConfigError
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_FAMILIES = ("qwen3_moe",)
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
 class ModelArch:
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # one of FAMILIES
     vocab_size: int  # true vocab (HF); the model pads it per TP size, see padded_vocab_size
     hidden_size: int
     num_layers: int
@@ -34,6 +35,12 @@ class ModelArch:
     qk_norm: bool
     tie_embeddings: bool
     max_position_embeddings: int
+    # mixture of experts (MOE_FAMILIES; 0 = dense): every layer's MLP is num_experts experts of moe_ffn_hidden_size,
+    # each token routed to moe_top_k of them; moe_norm_topk_prob: the k routing weights renormalised to sum to 1
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
 
     @classmethod
     def from_hf(cls, config_or_dir: Any) -> ModelArch:
@@ -73,6 +80,7 @@ class ModelArch:
             if missing:
                 raise ValueError(f"{family} config.rope_parameters (llama3) lacks {missing}")
             scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS}}
+        moe = _moe_fields(cfg, family, reject) if family in MOE_FAMILIES else {}
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         return cls(
@@ -88,9 +96,10 @@ class ModelArch:
             rope_scaling=scaling,
             norm_eps=cfg.rms_norm_eps,
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=cfg.max_position_embeddings,
+            **moe,
         )
 
     def to_dict(self) -> dict:
@@ -106,9 +115,22 @@ class ModelArch:
 
     def check_tp(self, tp: int) -> None:
         """TP splits whole KV groups (megatron's grouped QKV layout) and the SwiGLU width."""
-        for field in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        for field in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):
             if getattr(self, field) % tp:
                 raise ValueError(f"{self.family}: {field}={getattr(self, field)} is not divisible by TP={tp}")
+
+
+def _moe_fields(cfg: Any, family: str, reject) -> dict:
+    """Qwen3-MoE: every layer sparse (megamu builds no mixed dense/MoE stacks), no shared expert."""
+    reject("mlp_only_layers", bool)
+    reject("decoder_sparse_step", lambda v: v != 1)
+    reject("shared_expert_intermediate_size", bool)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not experts:
+        raise ValueError(f"{family} config has no num_experts")
+    return {"num_experts": int(experts), "moe_top_k": int(cfg.num_experts_per_tok),
+            "moe_ffn_hidden_size": int(cfg.moe_intermediate_size),
+            "moe_norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False))}
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -137,8 +159,6 @@ FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusi
            "gradient_accumulation_fusion")
 
 
-
-
 def fusion_fields(transformer_impl: str) -> dict[str, bool]:
     """Megatron's kernel fusions, decided with the layer spec: on with Transformer Engine, as Megatron-LM's training
     defaults have them (fused SwiGLU, bias-dropout-add, masked softmax, TE's fused RoPE, weight gradients accumulated
@@ -158,6 +178,54 @@ def fusion_fields(transformer_impl: str) -> dict[str, bool]:
     fields = dict.fromkeys(FUSIONS, True)
     fields["gradient_accumulation_fusion"] = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     return fields
+
+
+# Mixture-of-experts layers: the one device decision of how megatron-core runs them (the layer spec, in
+# megamu.model.spec.moe_layer_spec, follows it), and their TransformerConfig fields.
+#
+# CPU (local spec): ``SequentialMLP`` experts (one plain MLP per expert: megatron's grouped GEMM needs CUDA kernels),
+# the ``allgather`` token dispatcher (``alltoall`` creates a CUDA stream, ``transformer/moe/token_dispatcher.py:445``)
+# and megamu's CPU router (``megamu.model.moe_cpu``). GPU (Transformer Engine): grouped-GEMM experts, the ``alltoall``
+# dispatcher Megatron-LM uses with expert parallelism, megatron's own router.
+#
+# Router settings follow HF's Qwen3-MoE (softmax over all experts, then top-k; ``norm_topk_prob`` renormalises the k
+# weights): megatron's ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes those, which equals
+# normalised top-k probabilities; ``pre_softmax=True`` softmaxes all logits, then takes the top k, unnormalised.
+# No load-balancing loss: μ-GRPO's loss is the policy objective alone (HF adds its aux loss only when asked for
+# router logits).
+@dataclass(frozen=True)
+class MoeImpl:
+    grouped_gemm: bool  # TEGroupedMLP experts (GPU) vs SequentialMLP (CPU)
+    token_dispatcher: str  # megatron's moe_token_dispatcher_type
+    cpu_router: bool  # megamu.model.moe_cpu.CpuTopKRouter in place of megatron's TopKRouter
+
+
+def moe_impl(transformer_impl: str) -> MoeImpl:
+    """The device decision for MoE layers, made with the layer spec (``transformer_impl``)."""
+    if transformer_impl == "local":
+        return MoeImpl(grouped_gemm=False, token_dispatcher="allgather", cpu_router=True)
+    if transformer_impl == "transformer_engine":
+        return MoeImpl(grouped_gemm=True, token_dispatcher="alltoall", cpu_router=False)
+    raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected local or transformer_engine")
+
+
+def moe_config_fields(arch: ModelArch, transformer_impl: str) -> dict:
+    """TransformerConfig fields of an MoE arch (none for a dense one)."""
+    if not arch.num_experts:
+        return {}
+    impl = moe_impl(transformer_impl)
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_router_topk": arch.moe_top_k,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",  # HF's Qwen3-MoE softmaxes the router logits in fp32
+        "moe_grouped_gemm": impl.grouped_gemm,
+        "moe_token_dispatcher_type": impl.token_dispatcher,
+    }
 
 
 def transformer_config(
@@ -198,4 +266,5 @@ def transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         **fusion_fields(transformer_impl),
+        **moe_config_fields(arch, transformer_impl),
     )

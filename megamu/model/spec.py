@@ -100,6 +100,11 @@ class PortableAttention(torch.nn.Module):
 
 
 def layer_spec(arch: ModelArch, transformer_impl: str):
+    if arch.num_experts and transformer_impl in IMPLS:
+        spec = moe_layer_spec(arch, transformer_impl)
+        if transformer_impl == "local":
+            spec.submodules.self_attention.submodules.core_attention = functools.partial(PortableAttention, arch=arch)
+        return spec
     if transformer_impl == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -111,6 +116,27 @@ def layer_spec(arch: ModelArch, transformer_impl: str):
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected one of {IMPLS}")
+
+
+def moe_layer_spec(arch: ModelArch, transformer_impl: str):
+    """megatron-core's GPT layer spec with MoE layers, as ``megamu.model.config.moe_impl`` decides."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megamu.model.config import moe_impl
+
+    impl = moe_impl(transformer_impl)
+    if transformer_impl == "transformer_engine":
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=arch.num_experts, moe_grouped_gemm=impl.grouped_gemm, qk_layernorm=arch.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=arch.num_experts, moe_grouped_gemm=impl.grouped_gemm, qk_layernorm=arch.qk_norm,
+            normalization="RMSNorm")
+    if impl.cpu_router:
+        from megamu.model.moe_cpu import CpuTopKRouter
+
+        spec.submodules.mlp.submodules.router = CpuTopKRouter
+    return spec
 
 
 def position_embedding_kwargs(arch: ModelArch, transformer_impl: str) -> dict:

@@ -327,8 +327,11 @@ class MegatronDistributedAdam(SkipCounter):
             for k in keys:
                 if k in local:  # moments are absent before the first update
                     full[k][rng.start : rng.end] = local[k].detach().view(-1).float()
+        # expert parameters (megatron marks them allreduce=False at EP > 1) are sharded over the expert-data-parallel
+        # group, whose ranks hold the same experts, not over the data-parallel group
+        group = parallel.dp_group() if getattr(p, "allreduce", True) else parallel.expert_dp_group()
         for k in keys:
-            dist.all_reduce(full[k], group=parallel.dp_group())
+            dist.all_reduce(full[k], group=group)
         return {"step": torch.tensor(float(self.iteration)), **{k: v.view(p.shape) for k, v in full.items()}}
 
     def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:

@@ -174,7 +174,9 @@ def test_bad_values_name_their_field(field, value):
     assert err.value.field == field
 
 
-def test_moe_configs_are_refused():
-    with pytest.raises(ConfigError) as err:
-        ModelShape.from_hf_config(dict(QWEN25_MATH_7B, num_experts=64))
-    assert err.value.field == "model"
+def test_moe_layouts_it_does_not_model_are_refused():
+    for extra in ({"n_routed_experts": 64}, {"num_experts": 64, "shared_expert_intermediate_size": 512},
+                  {"num_experts": 64, "mlp_only_layers": [0]}):
+        with pytest.raises(ConfigError) as err:
+            ModelShape.from_hf_config(dict(QWEN25_MATH_7B, num_experts_per_tok=2, moe_intermediate_size=64, **extra))
+        assert err.value.field == "model"

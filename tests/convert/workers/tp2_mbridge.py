@@ -4,36 +4,49 @@ weights and gives transformers' logits; torch_dist_to_hf exports it back. Args: 
 (hf_dir, torch_dist_dir, export_dir)."""
 
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's megamu and tests, not an installed one
+
+
+def three_loads_agree(arch, hf_dir, dist_dir):
+    """megamu's mapping, mbridge and the torch_dist checkpoint give the TP-sharded model the same weights, bitwise;
+    returns the model loaded from the checkpoint."""
+    from megamu.convert import load_hf_into_model
+    from megamu.convert.bridge import load_hf_via_mbridge
+    from megamu.model import build_model
+    from megamu.training.checkpoint import load_model_checkpoint
+
+    ref = build_model(arch)
+    load_hf_into_model(ref, arch, hf_dir)  # megamu's own mapping
+    bridged = build_model(arch)
+    load_hf_via_mbridge(bridged, arch, hf_dir)
+    from_dist = build_model(arch)
+    assert load_model_checkpoint(dist_dir, from_dist) == 0
+    rows = arch.vocab_size - torch.distributed.get_rank() * (ref.embedding.word_embeddings.weight.shape[0])
+    for (name, want), (_, a), (_, b) in zip(ref.named_parameters(), bridged.named_parameters(),
+                                            from_dist.named_parameters()):
+        if "word_embeddings" in name or "output_layer" in name:  # padded vocab rows are masked, never read
+            want, a, b = want[:max(rows, 0)], a[:max(rows, 0)], b[:max(rows, 0)]
+        assert torch.equal(a, want), f"{arch.family} mbridge: {name}"
+        assert torch.equal(b, want), f"{arch.family} torch_dist TP1 -> TP2: {name}"
+    return from_dist
 
 
 def main(args):
     from transformers import AutoModelForCausalLM
 
-    from megamu.convert import load_hf_into_model
-    from megamu.convert.bridge import load_hf_via_mbridge, torch_dist_to_hf
-    from megamu.model import ModelArch, build_model
+    from megamu.convert.bridge import torch_dist_to_hf
+    from megamu.model import ModelArch
     from megamu.parallel import init_distributed, tp_group
-    from megamu.training.checkpoint import load_model_checkpoint
 
     torch.set_num_threads(1)
     init_distributed(2)
     for hf_dir, dist_dir, export_dir in zip(args[0::3], args[1::3], args[2::3]):
         arch = ModelArch.from_hf(hf_dir)
-        ref = build_model(arch)
-        load_hf_into_model(ref, arch, hf_dir)  # megamu's own mapping
-        bridged = build_model(arch)
-        load_hf_via_mbridge(bridged, arch, hf_dir)
-        from_dist = build_model(arch)
-        assert load_model_checkpoint(dist_dir, from_dist) == 0
-        rows = arch.vocab_size - torch.distributed.get_rank() * (ref.embedding.word_embeddings.weight.shape[0])
-        for (name, want), (_, a), (_, b) in zip(ref.named_parameters(), bridged.named_parameters(),
-                                                from_dist.named_parameters()):
-            if "word_embeddings" in name or "output_layer" in name:  # padded vocab rows are masked, never read
-                want, a, b = want[:max(rows, 0)], a[:max(rows, 0)], b[:max(rows, 0)]
-            assert torch.equal(a, want), f"{arch.family} mbridge: {name}"
-            assert torch.equal(b, want), f"{arch.family} torch_dist TP1 -> TP2: {name}"
+        from_dist = three_loads_agree(arch, hf_dir, dist_dir)
         ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
         hf_logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(ids).logits
         with torch.no_grad():

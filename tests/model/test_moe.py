@@ -1,0 +1,107 @@
+"""A Qwen3-MoE model on CPU: megatron-core's MoE layers with megamu's one CPU override (megamu.model.moe_cpu), against
+transformers' Qwen3MoeForCausalLM (router: softmax, top-k, renormalised or not), forward and backward."""
+
+import pytest
+import torch
+
+from megamu.convert import load_hf_into_model
+from megamu.model import ModelArch, build_model
+from megamu.model.config import moe_config_fields, moe_impl
+from megamu.tiny import save_tiny_model
+from tests.numerics import reorder_rtol
+
+SEQ = 24
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_logits_match_transformers_in_fp64(distributed, tmp_path, norm_topk_prob):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2, vocab_size=300, norm_topk_prob=norm_topk_prob)
+    arch = ModelArch.from_hf(hf_dir)
+    assert (arch.num_experts, arch.moe_top_k, arch.moe_ffn_hidden_size) == (4, 2, 32)
+    assert arch.moe_norm_topk_prob is norm_topk_prob
+    model = build_model(arch, params_dtype=torch.float64)
+    load_hf_into_model(model, arch, hf_dir)
+    model.eval()
+    ids = _ids(arch.vocab_size)
+    with torch.no_grad():
+        got = model(ids, torch.arange(SEQ).expand(2, SEQ), None)[..., : arch.vocab_size]
+        # transformers 5 defaults to torch._grouped_mm experts, which take no fp64: its per-expert loop instead
+        want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64,
+                                                    experts_implementation="eager")(ids).logits
+    # In fp64 only the order of sums differs (megatron's fused QKV / fc1, the experts' weighted sum), except the
+    # routing weights: both sides softmax the router logits in fp32 (HF: softmax(dtype=float); megatron:
+    # moe_router_dtype="fp32"), HF over all experts then renormalising, megatron over the top k. So the bound is
+    # fp32's for a softmax over num_experts terms, once per layer. A wrong routing (other experts, unnormalised
+    # weights) is off by orders of magnitude more.
+    rtol = reorder_rtol(torch.float32, arch.num_experts, depth=arch.num_layers)
+    rtol += reorder_rtol(torch.float64, arch.hidden_size, depth=2 * arch.num_layers + 1)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err <= rtol, f"relative logits difference {err:.2e} > {rtol:.1e}"
+    print(f"qwen3_moe norm_topk_prob={norm_topk_prob}: relative logits difference {err:.2e} (bound {rtol:.1e})")
+
+
+def test_backward_reaches_router_and_every_expert(distributed, tmp_path):
+    hf_dir = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4, vocab_size=300)
+    arch = ModelArch.from_hf(hf_dir)
+    model = build_model(arch)
+    load_hf_into_model(model, arch, hf_dir)
+    model.train()
+    logits = model(_ids(arch.vocab_size), torch.arange(SEQ).expand(2, SEQ), None)[..., : arch.vocab_size]
+    logits.logsumexp(-1).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if ".mlp." in n}
+    assert len(grads) == arch.num_layers * (1 + 2 * arch.num_experts)  # router + fc1/fc2 per expert
+    for name, g in grads.items():
+        assert g is not None and g.abs().sum() > 0, name  # 48 tokens x top-2 of 4 experts: every expert is used
+
+
+def test_stock_router_refuses_cpu_which_the_override_replaces(distributed, tmp_path):
+    """Why megamu.model.moe_cpu exists: megatron-core 0.16.1's TopKRouter gate moves its weight to CUDA. If a newer
+    megatron-core runs it on CPU, this fails and the override can go."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megamu.model import spec as spec_module
+    from megamu.model.moe_cpu import CpuTopKRouter
+
+    arch = ModelArch.from_hf(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=5, vocab_size=300))
+    built = spec_module.layer_spec(arch, "local")
+    assert built.submodules.mlp.submodules.router is CpuTopKRouter
+    stock = get_gpt_layer_local_spec(num_experts=arch.num_experts, qk_layernorm=True, normalization="RMSNorm")
+    assert stock.submodules.mlp.submodules.router is TopKRouter
+    router = build_model(arch).decoder.layers[0].mlp.router
+    x = torch.randn(3, arch.hidden_size)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        TopKRouter.gating(router, x)  # megatron's own gate, on the same router
+    # the override computes what megatron's RouterGatingLinearFunction does on a device it runs on: x @ W.T in fp32
+    assert torch.equal(router.gating(x), torch.mm(x.float(), router.weight.float().t()))
+
+
+def test_the_device_decides_experts_dispatcher_and_router():
+    cpu, gpu = moe_impl("local"), moe_impl("transformer_engine")
+    assert (cpu.grouped_gemm, cpu.token_dispatcher, cpu.cpu_router) == (False, "allgather", True)
+    assert (gpu.grouped_gemm, gpu.token_dispatcher, gpu.cpu_router) == (True, "alltoall", False)
+    arch = ModelArch.from_hf(_qwen3_moe_config(norm_topk_prob=True))
+    fields = moe_config_fields(arch, "local")
+    assert fields["moe_router_pre_softmax"] is False  # top-k logits, then softmax: HF's renormalised weights
+    unnormalised = ModelArch.from_hf(_qwen3_moe_config(norm_topk_prob=False))
+    assert moe_config_fields(unnormalised, "local")["moe_router_pre_softmax"] is True  # softmax of all, then top-k
+    assert fields["moe_token_dispatcher_type"] == "allgather" and not fields["moe_grouped_gemm"]
+    assert moe_config_fields(arch, "transformer_engine")["moe_token_dispatcher_type"] == "alltoall"
+
+
+def _qwen3_moe_config(**kw):
+    from megamu.tiny import tiny_hf_config
+
+    return tiny_hf_config("qwen3_moe", vocab_size=300, **kw)
+
+
+@pytest.mark.parametrize("field,value", [("mlp_only_layers", [0]), ("decoder_sparse_step", 2)])
+def test_mixed_dense_and_sparse_stacks_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        ModelArch.from_hf(_qwen3_moe_config(**{field: value}))

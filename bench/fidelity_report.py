@@ -377,9 +377,12 @@ def other_lrs(a, runs: list[RunResult], fig_dir: Path, mu: int, low: int) -> lis
     out = ["## Other learning rates (outside the rule; no verdict above uses them)", ""]
     for lr in lrs:
         at = [r for r in runs if r.lr == lr and (r.method != "grpo" or r.mu == low)]
-        out += [f"### lr {lr:g}", "", *table(at), "", "The same rules applied at this lr, for reading only:", "",
-                *[f"- {v}" for v in verdicts(at, lr, mu, low)], ""]
-        by = {r.method: r for r in sorted(at, key=lambda r: -r.seed) if r.mu in (mu, low)}
+        # the claims at the largest μ this lr's μ-GRPO ran at (its own sittings may have gone further than --mu)
+        top = max((r.mu for r in at if r.method == "mu-grpo"), default=mu)
+        out += [f"### lr {lr:g}", "", *table(at), "",
+                f"The same rules applied at this lr and μ = {top}, for reading only:", "",
+                *[f"- {v}" for v in verdicts(at, lr, top, low)], ""]
+        by = {r.method: r for r in sorted(at, key=lambda r: -r.seed) if r.mu in (top, low)}
         name = f"scopes_lr{lr:g}.png"
         if figs.fig3([by[m] for m in ("grpo", "grpo-high-staleness", *SCOPES) if m in by], fig_dir / name,
                      f"lr {lr:g}: accuracy and E[ρ|A<0]"):

@@ -33,6 +33,7 @@ class SchemaServer:
         self.running = 0  # sequences (samples) of /generate requests being answered now, and the most at once
         self.peak_running = 0
         self.workers: list[str] | None = None  # set: answer /list_workers as an sglang-router with these URLs
+        self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -118,7 +119,8 @@ class SchemaServer:
             def do_GET(self):
                 if not self._authorized():
                     return
-                if self.path == "/health":
+                if self.path in ("/health", "/health_generate"):  # answered while busy, as SGLang's (no lock)
+                    server.probes += 1
                     return self._reply(200, {})
                 if self.path == "/server_info":
                     info = {"model_path": server.engine.hf_dir, "dtype": "float32",

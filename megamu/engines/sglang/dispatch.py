@@ -96,7 +96,8 @@ class Dispatcher:
         if avoid is not None and not any(a for i, a in enumerate(self.alive) if i != avoid):
             avoid = None
         for i, (out, cap) in enumerate(zip(self.outstanding, self.capacities)):
-            if self.alive[i] and i != avoid and (out + n <= cap or out == 0) and (best is None or out < self.outstanding[best]):
+            usable = self.alive[i] and i != avoid and (out + n <= cap or out == 0)
+            if usable and (best is None or out < self.outstanding[best]):
                 best = i
         return best
 

@@ -80,6 +80,13 @@ def wait_for_servers(call, urls: list[str], procs: list, logs: list[Path], timeo
     return ready
 
 
+def _exit_status(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 @dataclass
 class ServerState:
     url: str
@@ -185,6 +192,10 @@ class Supervisor:
             status = await self.transport.get(st.url, "/health_generate", timeout=self.cfg.probe_timeout_s)
             miss = f"HTTP {status}" if status >= 500 else None  # a 4xx is an answer (e.g. a router without it)
         except Unreachable as e:
+            if st.proc is not None:  # a killed server's port closes just before its exit is seen: wait for it
+                await asyncio.get_running_loop().run_in_executor(None, _exit_status, st.proc, 1.0)
+                if st.proc.poll() is not None:
+                    return self._dead(i, f"its process exited with status {st.proc.returncode}")
             return self._dead(i, f"it refuses connections ({e})")
         except (TimeoutError, ConnectionError, OSError) as e:
             miss = str(e) or type(e).__name__
@@ -220,7 +231,7 @@ class Supervisor:
             self._fail(f"no SGLang server is left: the last, {st.url}, is dead ({why})", st)
 
     def _fail(self, message: str, st: ServerState) -> None:
-        status = st.proc.poll() if st.proc is not None else None
+        status = _exit_status(st.proc, 1.0) if st.proc is not None else None
         state = (f"exit status {status}" if status is not None else
                  "still running but not answering" if st.proc is not None else "not started by megamu")
         tail = f"; log {st.log}:\n{log_tail(st.log)}" if st.log else ""

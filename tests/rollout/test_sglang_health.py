@@ -1,0 +1,169 @@
+"""A rollout phase that survives a dead or hung server (megamu/engines/sglang/health.py), against schema servers:
+launched ones (tests/rollout/fake_sglang, so megamu restarts them) and in-process ones (given URLs).
+
+Every fault run's dataset is compared with a fault-free run's through in-process servers: the schema server draws each
+sample from its seed alone (as SGLang with deterministic inference), so the same prompts, sample indices and tokens,
+each exactly once, prove that no group was lost, duplicated or drawn with other seeds. Detection times are printed
+(``-s``) for the issue's note; the only wall-clock assert is the hang's probe bound."""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megamu.engines.local import LocalEngine
+from megamu.engines.sglang.client import SGLangEngine
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.schema import SGLangError
+from megamu.rollout.dataset import StageDataset, shard_name
+from megamu.rollout.phase import run_rollout_phase
+from megamu.tiny import build_char_tokenizer
+from tests.processes import pid_alive
+from tests.rollout.schema_server import SchemaServer
+from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
+from tests.torchrun import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+N, PER_SHARD = 2, 2
+# Short probes: a hung server is dead after PROBE_MISSES * (PERIOD + TIMEOUT) = 3 s.
+PERIOD, TIMEOUT, PROBE_MISSES = 0.25, 0.75, 3
+HEALTH = dict(probe_period_s=PERIOD, probe_timeout_s=TIMEOUT, probe_misses=PROBE_MISSES, backoff_s=0.05,
+              server_concurrency=1)
+
+
+def _config(tmp_path: Path, num_servers: int, **kw) -> SGLangConfig:
+    """Servers megamu launches: the schema server holding each /generate 0.3 s, one request of 2 sequences at a
+    time per server, so the stage lasts long enough to be hit mid-way."""
+    env = {"PYTHONPATH": str(REPO / "tests" / "rollout" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
+           "FAKE_SGLANG_RECORD": str(tmp_path), "FAKE_SGLANG_DELAY": "0.3"}
+    return SGLangConfig(**{**HEALTH, **dict(server_python=sys.executable, server_env=env, num_servers=num_servers,
+                                            port_base=free_port(), startup_timeout_s=120,
+                                            log_dir=str(tmp_path / "logs")), **kw})
+
+
+def _phase(engine, out: Path):
+    tok = build_char_tokenizer()
+    return run_rollout_phase(engine, make_prompts(tok), out, sampling=SAMPLING, n_samples=N, scorer=ParityScorer(),
+                             tokenizer=tok, stage=1, groups_per_shard=PER_SHARD)
+
+
+def _key(stage_dir: Path) -> list[tuple]:
+    """Each sample's identity and contents, in dataset order."""
+    return [(s.prompt_id, s.sample_index, tuple(s.response_ids), tuple(round(x, 5) for x in s.behaviour_logprobs))
+            for s in StageDataset(stage_dir).samples()]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tmp_path_factory):
+    """The fault-free dataset, through two in-process schema servers."""
+    out = tmp_path_factory.mktemp("reference") / "stage"
+    servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]
+    engine = SGLangEngine(None, urls=[s.url for s in servers], api_key="secret")
+    try:
+        manifest = _phase(engine, out)
+    finally:
+        engine.shutdown()
+        for s in servers:
+            s.close()
+    # both servers generated, and the record counts what each answered
+    counts = [s["requests"] for s in manifest.extra["servers"]]
+    assert sum(counts) == manifest.num_groups and all(counts)
+    keys = _key(out)
+    assert sorted((p, j) for p, j, *_ in keys) == [(g, j) for g in sorted({k[0] for k in keys}) for j in range(N)]
+    return keys
+
+
+def _on_first_shard(out: Path, act) -> threading.Thread:
+    """Run ``act()`` once the stage's first shard is written (mid-stage), recording when."""
+    def watch():
+        while not (out / shard_name(0)).exists():
+            time.sleep(0.01)
+        act()
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def _detection(engine, url: str, t_fault: float) -> float:
+    dead = [e for e in engine.health_events if e["event"] == "dead" and e["url"] == url]
+    assert dead, engine.health_events
+    return dead[0]["time"] - t_fault
+
+
+def test_killed_server_is_restarted_and_the_dataset_is_complete(tiny_llama, tmp_path, reference):
+    engine = SGLangEngine(tiny_llama, _config(tmp_path, 1))
+    out, fault = tmp_path / "stage", {}
+    pid = engine.pids[0]
+    _on_first_shard(out, lambda: (fault.setdefault("t", time.time()), os.kill(pid, signal.SIGKILL)))
+    try:
+        manifest = _phase(engine, out)
+        events = list(engine.health_events)
+        new_pid = engine.pids[0]
+    finally:
+        engine.shutdown()
+    assert _key(out) == reference  # every group exactly once, the samples a fault-free run drew
+    assert manifest.extra["servers"][0]["restarts"] == 1 and new_pid != pid and not pid_alive(new_pid)
+    assert "exited with status -9" in events[0]["why"] and events[1]["event"] == "restarted"
+    print(f"\nkill: detected after {events[0]['time'] - fault['t']:.2f}s, restarted in {events[1]['seconds']:.1f}s")
+
+
+def test_hung_server_is_found_within_the_probe_bound(tiny_llama, tmp_path, reference):
+    engine = SGLangEngine(tiny_llama, _config(tmp_path, 2))
+    out, fault = tmp_path / "stage", {}
+    pid, url = engine.pids[1], engine.urls[1]
+    _on_first_shard(out, lambda: (fault.setdefault("t", time.time()), os.kill(pid, signal.SIGSTOP)))
+    try:
+        manifest = _phase(engine, out)
+        detected = _detection(engine, url, fault["t"])
+    finally:
+        engine.shutdown()
+    assert not pid_alive(pid)  # the stopped server was killed, not left behind
+    assert _key(out) == reference
+    # found by its missed probes: at most PROBE_MISSES rounds of (period + timeout), plus slack for a loaded core
+    assert detected < PROBE_MISSES * (PERIOD + TIMEOUT) + 5.0
+    assert [s["url"] for s in manifest.extra["servers"]] == engine.urls
+    print(f"\nhang: detected after {detected:.2f}s (bound {PROBE_MISSES * (PERIOD + TIMEOUT):.2f}s + slack)")
+
+
+def test_refused_port_moves_requests_to_the_live_server(tiny_llama, tmp_path, reference):
+    servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]
+    for s in servers:
+        s.delay_s = 0.3
+    engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
+    out, fault = tmp_path / "stage", {}
+    _on_first_shard(out, lambda: (fault.setdefault("t", time.time()), servers[1].close()))
+    try:
+        _phase(engine, out)
+        detected = _detection(engine, servers[1].url, fault["t"])
+        why = engine.health_events[0]["why"]
+    finally:
+        engine.shutdown()
+        servers[0].close()
+    assert _key(out) == reference and "refuses connections" in why
+    print(f"\nrefused port: detected after {detected:.2f}s")
+
+
+def test_out_of_restarts_names_the_server_and_a_rerun_resumes(tiny_llama, tmp_path, reference):
+    engine = SGLangEngine(tiny_llama, _config(tmp_path, 1, max_restarts=0))
+    out, pid, url = tmp_path / "stage", engine.pids[0], engine.urls[0]
+    _on_first_shard(out, lambda: os.kill(pid, signal.SIGKILL))
+    try:
+        with pytest.raises(SGLangError) as e:
+            _phase(engine, out)
+    finally:
+        engine.shutdown()
+    message = str(e.value)
+    assert url in message and "exit status -9" in message and "max_restarts" in message
+    assert str(tmp_path / "logs" / "server_0.log") in message
+    written = sorted(p.name for p in out.glob("shard-*"))
+    assert written and not (out / "manifest.json").exists()
+    engine = SGLangEngine(tiny_llama, _config(tmp_path, 1))  # the rerun: the shards written stay, the rest follow
+    try:
+        _phase(engine, out)
+    finally:
+        engine.shutdown()
+    assert _key(out) == reference

@@ -167,3 +167,35 @@ def test_out_of_restarts_names_the_server_and_a_rerun_resumes(tiny_llama, tmp_pa
     finally:
         engine.shutdown()
     assert _key(out) == reference
+
+
+def test_start_on_the_healthy_urls_naming_the_missing_and_fail_when_none(server, monkeypatch, capsys):
+    from megamu.engines.sglang import health
+
+    monkeypatch.setattr(health, "PROGRESS_EVERY_S", 0.2)
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused
+    engine = SGLangEngine(None, urls=[gone, server.url], api_key="secret", url_timeout_s=1.0)
+    try:
+        assert engine.urls == [server.url]
+    finally:
+        engine.shutdown()
+    out = capsys.readouterr().out
+    assert f"for 1 of 2 server(s): {gone}" in out  # the progress line names what it still waits for
+    assert f"starting on 1 of 2 servers; no answer after 1s from {gone} (" in out
+    t0 = time.monotonic()
+    with pytest.raises(SGLangError) as e:
+        SGLangEngine(None, urls=[gone, f"{gone}0"], api_key="secret", url_timeout_s=1.0)
+    assert time.monotonic() - t0 < 1.0 + 5.0  # the bound, plus one round of 5 s calls at most
+    assert f"{gone} (" in str(e.value) and f"{gone}0 (" in str(e.value) and "not healthy after 1s" in str(e.value)
+
+
+def test_health_flags(tmp_path):
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+
+    base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
+    cfg = parse_args(base + ["--rollout-max-restarts", "5", "--rollout-probe-period", "2", "--sglang-url-timeout",
+                             "30"], device=Device("cpu")).engine.sglang
+    assert (cfg.max_restarts, cfg.probe_period_s, cfg.url_timeout_s, cfg.probe_misses) == (5, 2.0, 30.0, 3)
+    with pytest.raises(SystemExit, match="--rollout-probe-misses"):
+        parse_args(base + ["--rollout-probe-misses", "0"], device=Device("cpu"))

@@ -88,3 +88,36 @@ def test_engine_flags(tmp_path):
                          (["--sglang-env", "NOEQUALS"], "--sglang-env.*NAME=VALUE")):
         with pytest.raises(SystemExit, match=message):
             parse_args(base + bad, device=Device("cpu"))
+
+
+def test_two_nodes_each_serve_a_staged_stage(tiny_llama, tmp_path):
+    """Two torchrun launchers on this machine play two nodes (distinct node ranks, c10d rendezvous on 127.0.0.1):
+    each node's servers generate part of the stage, the record counts each, and each node's stop leaves nothing."""
+    import os
+    import signal
+    import subprocess
+
+    from megamu.rollout.dataset import StageDataset
+
+    port, rdzv = free_port(), free_port()
+    worker = REPO / "tests" / "rollout" / "workers" / "sglang_stage_nodes.py"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{rdzv}",
+                               "--rdzv_id", "megamu-two-nodes", str(worker), tiny_llama, str(tmp_path), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    nodes = [json.loads((tmp_path / f"node{n}.json").read_text()) for n in range(2)]
+    assert {n["rank"] for n in nodes} == {0, 1} and all(n["pids"] and not n["alive_after_release"] for n in nodes)
+    stage = StageDataset(tmp_path / "run" / "rollouts" / "stage_0")
+    servers = stage.manifest.extra["servers"]
+    assert [s["url"] for s in servers] == [u for n in sorted(nodes, key=lambda n: n["rank"]) for u in n["urls"]]
+    assert all(s["requests"] > 0 and s["samples_per_s"] > 0 for s in servers)  # both nodes generated
+    assert sum(s["requests"] for s in servers) == stage.num_groups

@@ -30,15 +30,16 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
     rank = dist.get_rank()
     if cfg.urls:
         return (SGLangEngine(hf_dir, cfg) if rank == 0 else None), None
+    # over the CPU-side gloo group: the trainer has offloaded, and a node's servers may take minutes to load
     cfg = replace(cfg, api_key=parallel.broadcast_object(
-        cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16)))
+        cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16), wait=True))
     node, error = None, ""
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         try:
             node = SGLangEngine(hf_dir, cfg)
         except (SGLangError, OSError, ValueError) as e:
             error = f"rank {rank}: {e}"
-    gathered = parallel.all_gather_object((node.urls if node else [], error))
+    gathered = parallel.all_gather_object((node.urls if node else [], error), wait=True)
     errors = [e for _, e in gathered if e]
     if errors:  # every rank raises, so none waits forever for a node that failed
         if node is not None:

@@ -1,0 +1,53 @@
+"""One "node" of a two-node staged stage (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous): StageEngine starts
+a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
+its own servers before going on.
+
+argv: model_dir record_dir port_base. Writes record_dir/node<GROUP_RANK>.json."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megamu import parallel
+from megamu.engines import EngineConfig
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.loop.staged import StageEngine
+from megamu.reward.config import RewardConfig
+from megamu.rollout import RolloutConfig
+from megamu.run_dir import RunDir
+from megamu.tiny import build_char_tokenizer
+from megamu.weights import Weights
+from tests.rollout.test_phase import make_prompts
+
+
+def main(model_dir: str, record: str, port_base: int) -> None:
+    dist.init_process_group("gloo")
+    parallel._init_wait_group()  # the CPU-side group init_distributed makes for the trainer
+    node = int(os.environ["GROUP_RANK"])
+    repo = str(Path(__file__).resolve().parents[3])
+    cfg = SGLangConfig(server_python=sys.executable, port_base=port_base + 10 * node, startup_timeout_s=120,
+                       log_dir=f"{record}/logs{node}", backoff_s=0.05, server_concurrency=1, probe_period_s=0.5,
+                       server_env={"PYTHONPATH": f"{repo}/tests/rollout/fake_sglang", "FAKE_SGLANG_REPO": repo,
+                                   "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"})
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, groups_per_shard=2,
+                            reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
+    tok = build_char_tokenizer()
+    stages = StageEngine("staged", EngineConfig(kind="sglang", sglang=cfg), rollout, RunDir(Path(record) / "run"), tok,
+                         metrics=None, held_out=[])
+    stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    stages.generate(0, make_prompts(tok), 0)
+    pids = stages.node.pids
+    seen = {"node": node, "rank": dist.get_rank(), "pids": pids, "urls": stages.node.urls}
+    stages.release()  # returns once this node's servers are gone
+    seen["alive_after_release"] = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                                   open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    stages.close()
+    Path(record, f"node{node}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

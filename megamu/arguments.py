@@ -156,6 +156,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
+    g.add_argument("--sglang-router", default=None,
+                   help="URL of a running sglang-router: the servers megamu launches on every node join it for each "
+                        "stage and leave it at the stage's end, and requests go through it")
     g.add_argument("--sglang-url-timeout", type=float, default=_default(SGLangConfig, "url_timeout_s"),
                    help="seconds the given --sglang-url servers have to answer /health at start: the run starts on "
                         "those that do, naming the others, and fails after this bound when none does, naming each "
@@ -267,7 +270,8 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
                          else args.sglang_memory_saver,
                          server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic,
-                         url_timeout_s=args.sglang_url_timeout, startup_timeout_s=args.sglang_startup_timeout,
+                         router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
+                         startup_timeout_s=args.sglang_startup_timeout,
                          probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
                          probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
@@ -287,7 +291,8 @@ FLAG_OF_FIELD = {
     "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
     "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
     "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
-    "url_timeout_s": "--sglang-url-timeout", "startup_timeout_s": "--sglang-startup-timeout",
+    "router": "--sglang-router", "url_timeout_s": "--sglang-url-timeout",
+    "startup_timeout_s": "--sglang-startup-timeout",
     "probe_period_s": "--rollout-probe-period", "probe_timeout_s": "--rollout-probe-timeout",
     "probe_misses": "--rollout-probe-misses", "max_restarts": "--rollout-max-restarts",
 }

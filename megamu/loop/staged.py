@@ -116,8 +116,9 @@ class StageEngine:
     def spread(self) -> bool:
         """Staged SGLang servers that megamu launches, on several ranks: local rank 0 of every node starts its node's
         servers on that node's GPUs once the trainer has offloaded, and rank 0 dispatches over all of them."""
-        return (self.mode == "staged" and self.engine_cfg.kind == "sglang" and not self.engine_cfg.sglang.urls
-                and parallel.world_size() > 1)
+        sglang = self.engine_cfg.sglang
+        return (self.mode == "staged" and self.engine_cfg.kind == "sglang" and not sglang.urls
+                and (parallel.world_size() > 1 or sglang.router is not None))
 
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
         """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0). With

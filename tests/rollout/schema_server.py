@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 from megamu.engines.types import GenerateRequest, SamplingParams
 
@@ -150,6 +151,12 @@ class SchemaServer:
                         server.rids.update(rids)
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
+                if self.path.startswith(("/add_worker?url=", "/remove_worker?url=")):  # sglang-router's worker API
+                    url = unquote(self.path.split("=", 1)[1])
+                    with server.lock:
+                        server.workers = [w for w in server.workers or [] if w != url]
+                        server.workers += [url] if self.path.startswith("/add") else []
+                    return self._reply(200, {"message": "ok"})
                 tags, version = body.get("tags") or [], body.get("weight_version")
                 server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
                                     + (f"@{version}" if version else ""))

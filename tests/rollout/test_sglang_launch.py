@@ -121,3 +121,30 @@ def test_two_nodes_each_serve_a_staged_stage(tiny_llama, tmp_path):
     assert [s["url"] for s in servers] == [u for n in sorted(nodes, key=lambda n: n["rank"]) for u in n["urls"]]
     assert all(s["requests"] > 0 and s["samples_per_s"] > 0 for s in servers)  # both nodes generated
     assert sum(s["requests"] for s in servers) == stage.num_groups
+
+
+def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_path):
+    """--sglang-router: the launched server joins the running router (its /add_worker), requests go through the router,
+    and the server leaves it before it stops. The stand-in router answers itself and lists its workers."""
+    from megamu.engines.local import LocalEngine
+    from megamu.engines.sglang.nodes import start_sglang
+    from tests.rollout.schema_server import SchemaServer
+
+    router = SchemaServer(LocalEngine(tiny_llama), api_key="k")
+    router.workers = []
+    cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=free_port(),
+                       startup_timeout_s=120, log_dir=str(tmp_path / "logs"), api_key="k", router=router.url,
+                       server_concurrency=3)
+    try:
+        dispatcher, node = start_sglang(tiny_llama, cfg)
+        try:
+            assert dispatcher.urls == [router.url] and router.workers == node.urls
+            assert dispatcher.routers == [router.url] and dispatcher.capacities == [3]  # the sum over its workers
+            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2))])
+            assert len(out) == 2 and len(router.log) == 1
+        finally:
+            dispatcher.shutdown()
+            assert router.workers == []  # left the router before its server stops
+            node.shutdown()
+    finally:
+        router.close()

@@ -26,6 +26,7 @@ import random
 import secrets
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 import weakref
@@ -76,6 +77,7 @@ class SGLangEngine:
         self._pool = None
         self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
+        self._router_workers: list[tuple[str, str]] = []  # (router, server) pairs this engine added (nodes.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         self.hf_dir, self.log_dir, logs = hf_dir, None, []
@@ -176,7 +178,24 @@ class SGLangEngine:
             raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
         self.weight_version = versions.pop() if versions else None
 
+    def join_router(self, router: str, url: str) -> None:
+        """Add server ``url`` to sglang-router ``router``'s workers until this engine shuts down."""
+        self._call(router, f"/add_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=60.0)
+        self._router_workers.append((router, url))
+
+    def refresh_capacities(self) -> None:
+        """Ask the servers (a router: its workers) their capacities again."""
+        self.capacities, self.routers = server_capacities(self.urls, [{}] * len(self.urls),
+                                                          self.config.server_concurrency, self._get_or_none)
+        self._health.dispatcher.capacities = [OVERSUBSCRIPTION * c for c in self.capacities]
+
     def shutdown(self) -> None:
+        for router, url in getattr(self, "_router_workers", []):  # before the servers stop: no request goes there
+            try:
+                self._call(router, f"/remove_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=30.0)
+            except (SGLangError, OSError, http.client.HTTPException):
+                pass  # the router drops a worker that stopped answering anyway
+        self._router_workers = []
         if getattr(self, "_health", None) is not None:
             self._health.close()
             self._health = None

@@ -37,6 +37,9 @@ class SGLangConfig:
     how weights reach it. ``dtype`` is set by ``megamu.engines.build_engine`` from ``EngineConfig.dtype``."""
 
     urls: list[str] = field(default_factory=list)  # running servers or a router; empty: megamu launches servers
+    # A running sglang-router: the servers megamu launches (on every node) join it for the stage, and rank 0 sends
+    # every request through it (nodes.py).
+    router: str | None = None
     num_servers: int = 1  # per node
     tp_size: int = 1
     api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
@@ -84,6 +87,8 @@ class SGLangConfig:
                      "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.router and self.urls:
+            raise ConfigError("router", "a router is for the servers megamu launches; give running servers as urls")
         if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_server_args):
             raise ConfigError("extra_server_args", "give the server dtype once, as SGLangConfig.dtype, not in the "
                                                    "server args: it must match the dtype of the weights megamu exports")

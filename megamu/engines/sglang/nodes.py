@@ -26,6 +26,8 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
 
     if not (dist.is_available() and dist.is_initialized()):
         engine = SGLangEngine(hf_dir, cfg)
+        if cfg.router and engine.launched:
+            return through_router(cfg, engine.urls), engine
         return engine, (engine if engine.launched else None)
     rank = dist.get_rank()
     if cfg.urls:
@@ -47,6 +49,26 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
         raise SGLangError("SGLang servers failed to start on some nodes:\n" + "\n".join(errors))
     urls = [u for node_urls, _ in gathered for u in node_urls]
     dispatcher = None
-    if rank == 0:
+    if rank == 0 and cfg.router:
+        dispatcher = through_router(cfg, urls)
+    elif rank == 0:
         dispatcher = node if urls == (node.urls if node else None) else SGLangEngine(None, replace(cfg, urls=urls))
     return dispatcher, node
+
+
+def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
+    """Rank 0's engine when ``cfg.router`` names a running sglang-router: the launched servers join it
+    (``POST /add_worker?url=``, sglang-router's worker API) and leave it when the engine shuts down, before the
+    servers stop; requests go through the router, which places them."""
+    router = cfg.router.rstrip("/")
+    engine = None
+    try:
+        engine = SGLangEngine(None, replace(cfg, urls=[router], router=None))
+        for url in urls:
+            engine.join_router(router, url)
+        engine.refresh_capacities()  # the router's capacity: the sum of its workers', now ours
+    except BaseException:
+        if engine is not None:
+            engine.shutdown()
+        raise
+    return engine

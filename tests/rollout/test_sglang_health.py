@@ -129,21 +129,35 @@ def test_hung_server_is_found_within_the_probe_bound(tiny_llama, tmp_path, refer
     print(f"\nhang: detected after {detected:.2f}s (bound {PROBE_MISSES * (PERIOD + TIMEOUT):.2f}s + slack)")
 
 
-def test_refused_port_moves_requests_to_the_live_server(tiny_llama, tmp_path, reference):
+def test_refused_port_moves_requests_and_the_server_rejoins(tiny_llama, tmp_path, reference):
+    """A given server (another node's, say) whose port refuses is dead at once; when it answers again (its own node
+    restarted it) it takes requests again."""
     servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]
     for s in servers:
-        s.delay_s = 0.3
+        s.delay_s = 0.5
     engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
-    out, fault = tmp_path / "stage", {}
-    _on_first_shard(out, lambda: (fault.setdefault("t", time.time()), servers[1].close()))
+    out, fault, port = tmp_path / "stage", {}, int(servers[1].url.rsplit(":", 1)[1])
+
+    def refuse_then_return():
+        fault["t"] = time.time()
+        servers[1].close()
+        while not engine.health_events:
+            time.sleep(0.01)
+        servers.append(SchemaServer(LocalEngine(tiny_llama), port=port))  # back on the same port
+        servers[-1].delay_s = 0.5
+
+    _on_first_shard(out, refuse_then_return)
     try:
-        _phase(engine, out)
+        manifest = _phase(engine, out)
         detected = _detection(engine, servers[1].url, fault["t"])
-        why = engine.health_events[0]["why"]
+        events = list(engine.health_events)
     finally:
         engine.shutdown()
-        servers[0].close()
-    assert _key(out) == reference and "refuses connections" in why
+        for s in servers[::2]:
+            s.close()
+    assert _key(out) == reference and "refuses connections" in events[0]["why"]
+    assert [e["event"] for e in events] == ["dead", "rejoined"] and servers[2].log  # the returned server generated
+    assert sum(s["requests"] for s in manifest.extra["servers"]) == manifest.num_groups
     print(f"\nrefused port: detected after {detected:.2f}s")
 
 

@@ -90,21 +90,20 @@ def test_engine_flags(tmp_path):
             parse_args(base + bad, device=Device("cpu"))
 
 
-def test_two_nodes_each_serve_a_staged_stage(tiny_llama, tmp_path):
-    """Two torchrun launchers on this machine play two nodes (distinct node ranks, c10d rendezvous on 127.0.0.1):
-    each node's servers generate part of the stage, the record counts each, and each node's stop leaves nothing."""
+def _two_nodes(model_dir: str, record: Path, kill: bool) -> list[dict]:
+    """Two torchrun launchers on this machine playing two nodes (distinct node ranks, c10d rendezvous on 127.0.0.1)
+    through one staged stage (workers/sglang_stage_nodes.py); what each node saw, by node."""
     import os
     import signal
     import subprocess
-
-    from megamu.rollout.dataset import StageDataset
 
     port, rdzv = free_port(), free_port()
     worker = REPO / "tests" / "rollout" / "workers" / "sglang_stage_nodes.py"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{rdzv}",
-                               "--rdzv_id", "megamu-two-nodes", str(worker), tiny_llama, str(tmp_path), str(port)],
+                               "--rdzv_id", "megamu-two-nodes", str(worker), model_dir, str(record), str(port),
+                               *(["kill"] if kill else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True) for r in range(2)]
     try:
@@ -114,13 +113,33 @@ def test_two_nodes_each_serve_a_staged_stage(tiny_llama, tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    nodes = [json.loads((tmp_path / f"node{n}.json").read_text()) for n in range(2)]
+    nodes = [json.loads((record / f"node{n}.json").read_text()) for n in range(2)]
     assert {n["rank"] for n in nodes} == {0, 1} and all(n["pids"] and not n["alive_after_release"] for n in nodes)
-    stage = StageDataset(tmp_path / "run" / "rollouts" / "stage_0")
+    return nodes
+
+
+def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_llama, tmp_path):
+    """Each node's servers generate part of the stage and the record counts each; each node's stop leaves nothing.
+    Then node 1's server is killed mid-stage: node 1 finds it dead (and restarts it: the stage may end first), rank 0
+    moves its requests to node 0's server, and the dataset equals the fault-free run's (the schema servers draw from
+    the seeds alone). A remote server's rejoining: test_sglang_health.py."""
+    from megamu.rollout.dataset import StageDataset
+
+    nodes = _two_nodes(tiny_llama, tmp_path / "clean", kill=False)
+    stage = StageDataset(tmp_path / "clean" / "run" / "rollouts" / "stage_0")
     servers = stage.manifest.extra["servers"]
     assert [s["url"] for s in servers] == [u for n in sorted(nodes, key=lambda n: n["rank"]) for u in n["urls"]]
     assert all(s["requests"] > 0 and s["samples_per_s"] > 0 for s in servers)  # both nodes generated
     assert sum(s["requests"] for s in servers) == stage.num_groups
+
+    nodes = _two_nodes(tiny_llama, tmp_path / "kill", kill=True)
+    rank0 = next(n for n in nodes if n["rank"] == 0)
+    killed_url = nodes[1]["urls"][0]
+    assert "exited with status -9" in nodes[1]["node_events"][0]["why"]  # its own node saw it die
+    assert [e["url"] for e in rank0["dispatcher_events"] if e["event"] == "dead"] == [killed_url]
+    key = lambda d: [(s.prompt_id, s.sample_index, s.response_ids, [round(x, 6) for x in s.behaviour_logprobs])
+                     for s in StageDataset(d / "run" / "rollouts" / "stage_0").samples()]
+    assert key(tmp_path / "kill") == key(tmp_path / "clean")
 
 
 def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_path):

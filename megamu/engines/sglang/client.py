@@ -295,6 +295,11 @@ class SGLangEngine:
                               f"{self.weight_version}")
         return samples
 
+    def keep_alive(self) -> None:
+        """Probe and restart these servers all the time, not only while this engine sends requests: a node's servers
+        that another rank dispatches to (nodes.py)."""
+        self._health.keeper = True
+
     def begin_stage(self) -> None:
         """A rollout phase starts: restart budgets and per-server counts start from zero."""
         self._health.begin_stage()

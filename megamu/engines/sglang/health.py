@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -109,9 +110,13 @@ class Supervisor:
         self.engine, self.cfg = engine, engine.config
         self.servers, self.dispatcher, self.transport = servers, dispatcher, transport
         self.fatal: SGLangError | None = None
+        # A node's own engine on another rank than the dispatcher's (nodes.py): nothing is sent through it, so it
+        # probes all the time and restarts its servers; the dispatcher sees them dead, then rejoining.
+        self.keeper = False
         self.events: list[dict] = []  # deaths and restarts, with wall-clock times (the tests measure detection)
         self.t_begin = time.monotonic()
         self._restarter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-restart")
+        self._launch_lock, self._closing = threading.Lock(), False  # no restart launches once the engine stops
         self._watcher = transport.submit(self._watch())
 
     def begin_stage(self) -> None:
@@ -127,6 +132,9 @@ class Supervisor:
                  "restarts": s.restarts, "alive": s.alive} for s in self.servers]
 
     def close(self) -> None:
+        """Stop watching; a restart under way launches nothing more (the engine then stops what was launched)."""
+        with self._launch_lock:
+            self._closing = True
         self._watcher.cancel()
         self._restarter.shutdown(wait=False, cancel_futures=True)
 
@@ -179,8 +187,25 @@ class Supervisor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.probe_period_s)
-            if self.fatal is None and self.dispatcher.busy:
-                await asyncio.gather(*(self._probe(i) for i, s in enumerate(self.servers) if s.alive))
+            if self.fatal is None and (self.dispatcher.busy or self.keeper):
+                await asyncio.gather(*(self._probe(i) if s.alive else self._rejoin(i)
+                                       for i, s in enumerate(self.servers) if not s.restarting))
+
+    async def _rejoin(self, i: int) -> None:
+        """A dead server megamu did not start here (another node's, restarted by its own node) takes requests again
+        once it answers its probe."""
+        st = self.servers[i]
+        if st.proc is not None:
+            return
+        try:
+            status = await self.transport.get(st.url, "/health_generate", timeout=self.cfg.probe_timeout_s)
+        except (TimeoutError, ConnectionError, OSError):
+            return
+        if status < 500 and not st.alive and self.fatal is None:
+            st.alive = True
+            self.events.append({"event": "rejoined", "url": st.url, "time": time.time()})
+            print(f"[sglang] server {st.url} answers again: it takes requests again", flush=True)
+            self.dispatcher.set_alive(i, True)
 
     async def _probe(self, i: int) -> None:
         st = self.servers[i]
@@ -252,10 +277,13 @@ class Supervisor:
         """Stop what is left of server ``i``, start it again, wait for /health, restore the weights; seconds."""
         t0, st, engine = time.monotonic(), self.servers[i], self.engine
         stop_processes([st.proc], grace_s=0.0)  # SIGKILL the group: a stopped (hung) server ignores SIGTERM
-        proc, log = launch_server(self.cfg, engine.hf_dir, engine.api_key, st.index, engine.log_dir,
-                                  restart=st.restarts)
-        engine._procs[i] = proc  # stopped with the others at shutdown
-        st.proc, st.log = proc, log
+        with self._launch_lock:
+            if self._closing:
+                raise SGLangError("the engine is shutting down")
+            proc, log = launch_server(self.cfg, engine.hf_dir, engine.api_key, st.index, engine.log_dir,
+                                      restart=st.restarts)
+            engine._procs[i] = proc  # stopped with the others at shutdown
+            st.proc, st.log = proc, log
         wait_for_servers(engine._call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
         if engine.weight_version != engine.launch_version:
             engine._post_with_retries([st.url], "/update_weights_from_disk",

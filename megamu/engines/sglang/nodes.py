@@ -27,6 +27,7 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
     if not (dist.is_available() and dist.is_initialized()):
         engine = SGLangEngine(hf_dir, cfg)
         if cfg.router and engine.launched:
+            engine.keep_alive()
             return through_router(cfg, engine.urls), engine
         return engine, (engine if engine.launched else None)
     rank = dist.get_rank()
@@ -48,6 +49,8 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
             node.shutdown()
         raise SGLangError("SGLang servers failed to start on some nodes:\n" + "\n".join(errors))
     urls = [u for node_urls, _ in gathered for u in node_urls]
+    if node is not None and not (rank == 0 and urls == node.urls and not cfg.router):
+        node.keep_alive()  # the dispatcher is elsewhere: this node watches and restarts its own servers
     dispatcher = None
     if rank == 0 and cfg.router:
         dispatcher = through_router(cfg, urls)

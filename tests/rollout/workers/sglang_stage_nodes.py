@@ -2,11 +2,15 @@
 a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
 its own servers before going on.
 
-argv: model_dir record_dir port_base. Writes record_dir/node<GROUP_RANK>.json."""
+argv: model_dir record_dir port_base [kill]. With "kill", node 1 SIGKILLs its server once rank 0 has written the
+stage's first shard. Writes record_dir/node<GROUP_RANK>.json."""
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -23,7 +27,13 @@ from megamu.weights import Weights
 from tests.rollout.test_phase import make_prompts
 
 
-def main(model_dir: str, record: str, port_base: int) -> None:
+def kill_after_first_shard(first_shard: Path, pid: int) -> None:
+    while not first_shard.exists():
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def main(model_dir: str, record: str, port_base: int, kill: bool) -> None:
     dist.init_process_group("gloo")
     parallel._init_wait_group()  # the CPU-side group init_distributed makes for the trainer
     node = int(os.environ["GROUP_RANK"])
@@ -38,9 +48,20 @@ def main(model_dir: str, record: str, port_base: int) -> None:
     stages = StageEngine("staged", EngineConfig(kind="sglang", sglang=cfg), rollout, RunDir(Path(record) / "run"), tok,
                          metrics=None, held_out=[])
     stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    killed = []
+    if kill and node == 1:  # the servers start inside generate: watch for them from a thread
+        def arm():
+            while stages.node is None:
+                time.sleep(0.01)
+            killed.append(stages.node.pids[0])
+            kill_after_first_shard(Path(record) / "run" / "rollouts" / "stage_0" / "shard-00000.parquet", killed[0])
+        threading.Thread(target=arm, daemon=True).start()
     stages.generate(0, make_prompts(tok), 0)
-    pids = stages.node.pids
-    seen = {"node": node, "rank": dist.get_rank(), "pids": pids, "urls": stages.node.urls}
+    parallel.wait_for_main_rank()  # rank 0's phase is over (release waits here too): what did each side see?
+    pids = killed + stages.node.pids
+    seen = {"node": node, "rank": dist.get_rank(), "urls": stages.node.urls, "pids": pids,
+            "node_events": stages.node.health_events,
+            "dispatcher_events": stages.engine.health_events if stages.engine is not None else []}
     stages.release()  # returns once this node's servers are gone
     seen["alive_after_release"] = [p for p in pids if os.path.exists(f"/proc/{p}") and
                                    open(f"/proc/{p}/stat").read().split()[2] != "Z"]
@@ -50,4 +71,4 @@ def main(model_dir: str, record: str, port_base: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["kill"])

@@ -156,6 +156,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
+    g.add_argument("--sglang-host", default=_default(SGLangConfig, "host"),
+                   help="address the servers megamu launches listen on; on several nodes one the others reach, "
+                        "e.g. 0.0.0.0 (they are then named by this node's host name)")
     g.add_argument("--sglang-router", default=None,
                    help="URL of a running sglang-router: the servers megamu launches on every node join it for each "
                         "stage and leave it at the stage's end, and requests go through it")
@@ -270,7 +273,7 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
                          else args.sglang_memory_saver,
                          server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic,
-                         router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
+                         host=args.sglang_host, router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
                          startup_timeout_s=args.sglang_startup_timeout,
                          probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
                          probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)

@@ -209,7 +209,11 @@ def test_health_flags(tmp_path):
 
     base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
     cfg = parse_args(base + ["--rollout-max-restarts", "5", "--rollout-probe-period", "2", "--sglang-url-timeout",
-                             "30"], device=Device("cpu")).engine.sglang
+                             "30", "--sglang-host", "0.0.0.0", "--sglang-router", "http://r:29000"],
+                     device=Device("cpu")).engine.sglang
     assert (cfg.max_restarts, cfg.probe_period_s, cfg.url_timeout_s, cfg.probe_misses) == (5, 2.0, 30.0, 3)
+    assert (cfg.host, cfg.router) == ("0.0.0.0", "http://r:29000")
     with pytest.raises(SystemExit, match="--rollout-probe-misses"):
         parse_args(base + ["--rollout-probe-misses", "0"], device=Device("cpu"))
+    with pytest.raises(SystemExit, match="--sglang-router"):
+        parse_args(base + ["--sglang-router", "http://r:29000", "--sglang-url", "http://s:30000"], device=Device("cpu"))

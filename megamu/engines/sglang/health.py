@@ -188,8 +188,12 @@ class Supervisor:
         while True:
             await asyncio.sleep(self.cfg.probe_period_s)
             if self.fatal is None and (self.dispatcher.busy or self.keeper):
-                await asyncio.gather(*(self._probe(i) if s.alive else self._rejoin(i)
-                                       for i, s in enumerate(self.servers) if not s.restarting))
+                outcomes = await asyncio.gather(*(self._probe(i) if s.alive else self._rejoin(i)
+                                                  for i, s in enumerate(self.servers) if not s.restarting),
+                                                return_exceptions=True)
+                for e in outcomes:  # a bug in a probe must not end the watching unnoticed
+                    if isinstance(e, Exception):
+                        print(f"[sglang] health probe failed: {type(e).__name__}: {e}", flush=True)
 
     async def _rejoin(self, i: int) -> None:
         """A dead server megamu did not start here (another node's, restarted by its own node) takes requests again
@@ -261,6 +265,7 @@ class Supervisor:
                  "still running but not answering" if st.proc is not None else "not started by megamu")
         tail = f"; log {st.log}:\n{log_tail(st.log)}" if st.log else ""
         self.fatal = SGLangError(f"{message}; {state}{tail}")
+        print(f"[sglang] {self.fatal}", flush=True)  # a node's keeper has no caller to raise to: say it here
         self.dispatcher.fail(self.fatal)
         for s in self.servers:
             for task in list(s.inflight):

@@ -217,3 +217,38 @@ def test_health_flags(tmp_path):
         parse_args(base + ["--rollout-probe-misses", "0"], device=Device("cpu"))
     with pytest.raises(SystemExit, match="--sglang-router"):
         parse_args(base + ["--sglang-router", "http://r:29000", "--sglang-url", "http://s:30000"], device=Device("cpu"))
+
+
+def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama, tmp_path):
+    """A server back from a restart serves its launch folder; the engine pushed a newer one since: the server gets
+    that folder (and version) before it takes requests again, so no sample of stale weights is made (the client would
+    refuse it)."""
+    from megamu.engines.types import GenerateRequest, SamplingParams
+    from megamu.tiny import save_tiny_model
+
+    newer = str(save_tiny_model(tmp_path / "newer", "llama", seed=5))
+    servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]
+    for s in servers:
+        s.delay_s = 0.3
+    engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
+    port = int(servers[1].url.rsplit(":", 1)[1])
+    try:
+        engine.update_weights(hf_dir=newer, version=1)
+        servers[1].close()
+        reqs = [GenerateRequest(i, [5, 6, 7 + i], SamplingParams(max_new_tokens=3, n=2, seed=1)) for i in range(10)]
+        out = []
+        running = threading.Thread(target=lambda: out.extend(engine.generate(reqs)), daemon=True)
+        running.start()
+        while not engine.health_events:
+            time.sleep(0.01)
+        back = SchemaServer(LocalEngine(tiny_llama), port=port)  # restarted from the launch folder: version "default"
+        back.delay_s = 0.3
+        servers.append(back)
+        running.join(timeout=60)
+        assert not running.is_alive() and len(out) == 20  # every sample, none refused as stale
+        assert [e["event"] for e in engine.health_events] == ["dead", "rejoined"]
+        assert back.weight_version == "1" and back.calls[0] == "/update_weights_from_disk@1" and back.log
+    finally:
+        engine.shutdown()
+        for s in servers[::2]:
+            s.close()

@@ -205,11 +205,17 @@ class Supervisor:
             status = await self.transport.get(st.url, "/health_generate", timeout=self.cfg.probe_timeout_s)
         except (TimeoutError, ConnectionError, OSError):
             return
-        if status < 500 and not st.alive and self.fatal is None:
-            st.alive = True
-            self.events.append({"event": "rejoined", "url": st.url, "time": time.time()})
-            print(f"[sglang] server {st.url} answers again: it takes requests again", flush=True)
-            self.dispatcher.set_alive(i, True)
+        if status >= 500 or st.alive or self.fatal is not None:
+            return
+        try:  # restarted from its launch folder, it may hold older weights than this engine pushed since
+            await asyncio.get_running_loop().run_in_executor(None, self._restore_weights, st.url)
+        except (SGLangError, OSError, http.client.HTTPException, ValueError) as e:
+            print(f"[sglang] server {st.url} answers again but cannot take requests: {e}", flush=True)
+            return
+        st.alive = True
+        self.events.append({"event": "rejoined", "url": st.url, "time": time.time()})
+        print(f"[sglang] server {st.url} answers again: it takes requests again", flush=True)
+        self.dispatcher.set_alive(i, True)
 
     async def _probe(self, i: int) -> None:
         st = self.servers[i]
@@ -290,12 +296,22 @@ class Supervisor:
             engine._procs[i] = proc  # stopped with the others at shutdown
             st.proc, st.log = proc, log
         wait_for_servers(engine._call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
-        if engine.weight_version != engine.launch_version:
-            engine._post_with_retries([st.url], "/update_weights_from_disk",
-                                      {"model_path": engine.weights_folder, "flush_cache": True,
-                                       "weight_version": engine.weight_version},
-                                      f"restoring the weights of {st.url}")
+        self._restore_weights(st.url)
         return time.monotonic() - t0
+
+    def _restore_weights(self, url: str) -> None:
+        """Give server ``url`` the weights the engine's last sync pushed, when it serves others (a restart loads the
+        launch folder); samples of other weights would be refused."""
+        engine = self.engine
+        served = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
+        if engine.weight_version is None or served == str(engine.weight_version):
+            return
+        if engine.weights_folder is None:
+            raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
+                              "memory: there is no folder to load it from")
+        engine._post_with_retries([url], "/update_weights_from_disk",
+                                  {"model_path": engine.weights_folder, "flush_cache": True,
+                                   "weight_version": engine.weight_version}, f"restoring the weights of {url}")
 
     def _restarted(self, i: int, future) -> None:
         st = self.servers[i]

@@ -137,13 +137,17 @@ def test_refused_port_moves_requests_and_the_server_rejoins(tiny_llama, tmp_path
         s.delay_s = 0.5
     engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
     out, fault, port = tmp_path / "stage", {}, int(servers[1].url.rsplit(":", 1)[1])
+    # Loaded here, not in the thread below: with a model loaded while another thread generated, a later test of the
+    # suite saw NaN samples from its in-process server (transformers' loading patches torch globally, e.g. its init
+    # functions; the likely cause). Nothing is loaded while a server of this process generates.
+    returning = LocalEngine(tiny_llama)
 
     def refuse_then_return():
         fault["t"] = time.time()
         servers[1].close()
         while not engine.health_events:
             time.sleep(0.01)
-        servers.append(SchemaServer(LocalEngine(tiny_llama), port=port))  # back on the same port
+        servers.append(SchemaServer(returning, port=port))  # back on the same port
         servers[-1].delay_s = 0.5
 
     _on_first_shard(out, refuse_then_return)
@@ -232,6 +236,7 @@ def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama
         s.delay_s = 0.3
     engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
     port = int(servers[1].url.rsplit(":", 1)[1])
+    returning = LocalEngine(tiny_llama)  # loaded before any thread generates (see the test above)
     try:
         engine.update_weights(hf_dir=newer, version=1)
         servers[1].close()
@@ -241,7 +246,7 @@ def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama
         running.start()
         while not engine.health_events:
             time.sleep(0.01)
-        back = SchemaServer(LocalEngine(tiny_llama), port=port)  # restarted from the launch folder: version "default"
+        back = SchemaServer(returning, port=port)  # restarted from the launch folder: version "default"
         back.delay_s = 0.3
         servers.append(back)
         running.join(timeout=60)

@@ -137,9 +137,8 @@ def test_refused_port_moves_requests_and_the_server_rejoins(tiny_llama, tmp_path
         s.delay_s = 0.5
     engine = SGLangEngine(None, SGLangConfig(urls=[s.url for s in servers], api_key="secret", **HEALTH))
     out, fault, port = tmp_path / "stage", {}, int(servers[1].url.rsplit(":", 1)[1])
-    # Loaded here, not in the thread below: with a model loaded while another thread generated, a later test of the
-    # suite saw NaN samples from its in-process server (transformers' loading patches torch globally, e.g. its init
-    # functions; the likely cause). Nothing is loaded while a server of this process generates.
+    # Loaded here, not in the thread below: no model loads while a server of this process generates (transformers'
+    # loading patches torch globally).
     returning = LocalEngine(tiny_llama)
 
     def refuse_then_return():

@@ -160,6 +160,29 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
     g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
+    g.add_argument("--sglang-host", default=_default(SGLangConfig, "host"),
+                   help="address the servers megamu launches listen on; on several nodes one the others reach, "
+                        "e.g. 0.0.0.0 (they are then named by this node's host name)")
+    g.add_argument("--sglang-router", default=None,
+                   help="URL of a running sglang-router: the servers megamu launches on every node join it for each "
+                        "stage and leave it at the stage's end, and requests go through it")
+    g.add_argument("--sglang-url-timeout", type=float, default=_default(SGLangConfig, "url_timeout_s"),
+                   help="seconds the given --sglang-url servers have to answer /health at start: the run starts on "
+                        "those that do, naming the others, and fails after this bound when none does, naming each "
+                        "URL with its error (servers megamu launches have --sglang-startup-timeout)")
+    g.add_argument("--sglang-startup-timeout", type=float, default=_default(SGLangConfig, "startup_timeout_s"),
+                   help="seconds a server megamu launches (or restarts) has to load its model and answer /health")
+    g.add_argument("--rollout-probe-period", type=float, default=_default(SGLangConfig, "probe_period_s"),
+                   help="seconds between /health_generate probes of each SGLang server while requests are out")
+    g.add_argument("--rollout-probe-timeout", type=float, default=_default(SGLangConfig, "probe_timeout_s"),
+                   help="seconds a probe waits for its answer")
+    g.add_argument("--rollout-probe-misses", type=int, default=_default(SGLangConfig, "probe_misses"),
+                   help="probes missed in a row that make a server dead (as do its exit and a refused port): a hung "
+                        "server is found within misses x (period + timeout), 45 s by default; its requests go to "
+                        "the live servers with the same seeds")
+    g.add_argument("--rollout-max-restarts", type=int, default=_default(SGLangConfig, "max_restarts"),
+                   help="restarts per stage of the dead servers megamu launched; beyond it the run stops, naming the "
+                        "server, its exit status and log (a rerun resumes at the first missing shard)")
     g.add_argument("--sglang-num-servers", type=int, default=_default(SGLangConfig, "num_servers"))
     g.add_argument("--sglang-tp-size", type=int, default=_default(SGLangConfig, "tp_size"))
     g.add_argument("--sglang-server-args", default="",
@@ -253,7 +276,11 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          sync_master_address=args.weight_sync_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
                          memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
                          else args.sglang_memory_saver,
-                         server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic)
+                         server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic,
+                         host=args.sglang_host, router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
+                         startup_timeout_s=args.sglang_startup_timeout,
+                         probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
+                         probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
     return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
                    sglang=sglang)
@@ -271,6 +298,10 @@ FLAG_OF_FIELD = {
     "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
     "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
     "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
+    "router": "--sglang-router", "url_timeout_s": "--sglang-url-timeout",
+    "startup_timeout_s": "--sglang-startup-timeout",
+    "probe_period_s": "--rollout-probe-period", "probe_timeout_s": "--rollout-probe-timeout",
+    "probe_misses": "--rollout-probe-misses", "max_restarts": "--rollout-max-restarts",
 }
 
 

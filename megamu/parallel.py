@@ -182,6 +182,10 @@ def ep_size() -> int:
     return parallel_state.get_expert_model_parallel_world_size()
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -202,10 +206,13 @@ def broadcast_object(obj, *, wait: bool = False):
     return box[0]
 
 
-def all_gather_object(obj, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's ``obj`` (of ``group``, default all ranks), in rank order."""
+def all_gather_object(obj, group: dist.ProcessGroup | None = None, *, wait: bool = False) -> list:
+    """Every rank's ``obj`` (of ``group``, default all ranks), in rank order. ``wait``: over all ranks' CPU-side
+    gloo group, as ``broadcast_object``'s (while the trainer is offloaded and servers start)."""
     if not dist.is_initialized():
         return [obj]
+    if wait and group is None:
+        group = _wait_group
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

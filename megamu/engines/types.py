@@ -104,6 +104,14 @@ class Engine(Protocol):
         """Serve new weights (a folder or HF-named tensors); an engine that can check them returns a report."""
         ...
 
+    def begin_stage(self) -> None:
+        """A rollout phase starts (per-server counts and restart budgets start anew)."""
+        ...
+
+    def server_stats(self) -> list[dict]:
+        """Per server since ``begin_stage``: url, requests, samples, samples_per_s, restarts (none: [])."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -135,6 +143,12 @@ class EngineBase:
     def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
                        probe=None):
         raise NotImplementedError(f"{self.name} cannot load new weights")
+
+    def begin_stage(self) -> None:
+        pass
+
+    def server_stats(self) -> list[dict]:
+        return []
 
     def shutdown(self) -> None:
         pass

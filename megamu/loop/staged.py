@@ -54,6 +54,7 @@ class StageEngine:
         self.mode, self.engine_cfg, self.cfg, self.run_dir = mode, engine, rollout, run_dir
         self.tokenizer, self.metrics, self.held_out = tokenizer, metrics, held_out
         self.engine: Engine | None = None  # rank 0 only
+        self.node = None  # SGLang on several ranks (``spread``): this node's servers, on its local rank 0 (nodes.py)
         self.scorer = None  # rank 0 only, created with the first engine
         self.hf_dir: Path | None = None  # the folder the next engine starts from
         self.warm = False  # every rank: whether rank 0's engine stays up between stages (colocated, after stage 0)
@@ -112,8 +113,24 @@ class StageEngine:
         self.metrics.log("sync", step=stage, stage=stage, mode=r.mode, t_sync=r.seconds, bytes=r.bytes,
                          weight_version=r.version, probe_mean_abs_diff=r.probe_mean_abs_diff)
 
+    def spread(self) -> bool:
+        """SGLang servers that megamu launches, on several ranks: local rank 0 of every node starts its node's
+        servers on that node's GPUs once the trainer has offloaded, and rank 0 dispatches over all of them. Staged
+        mode starts them each stage; colocated mode once, keeping them between refreshes, when its pushes come from
+        a folder (--weight-sync disk: every node's servers read it); in-memory pushes reach rank 0's node only."""
+        sglang = self.engine_cfg.sglang
+        pushes_reach_all = self.mode == "staged" or sglang.weight_sync == "disk"
+        return (self.engine_cfg.kind == "sglang" and not sglang.urls and pushes_reach_all
+                and (parallel.world_size() > 1 or sglang.router is not None))
+
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
-        """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0)."""
+        """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0). With
+        ``spread``, every rank first takes part in starting the nodes' servers (collective, on the CPU group)."""
+        if self.spread() and not self.warm:  # colocated: the servers of stage 0 stay up
+            from megamu.engines.sglang.nodes import start_sglang
+
+            self.engine, self.node = start_sglang(str(self.hf_dir), replace(self.engine_cfg.sglang,
+                                                                            dtype=self.engine_cfg.dtype))
         if not parallel.is_main_rank():
             return
         if self.engine is None:
@@ -139,9 +156,12 @@ class StageEngine:
     def release(self) -> None:
         """After D_k: staged mode stops the engine, so its memory is free for the optimisation (§4, Phase 1);
         colocated mode keeps it for the next push, its servers' memory given back when they share the GPUs."""
-        if self.mode == "staged" and self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        if self.spread():  # every node's servers serve until rank 0 is done with them (its phase and evaluation)
+            parallel.wait_for_main_rank()
+        if self.mode == "staged":  # each node's shutdown returns once its servers' processes are gone
+            for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
+                engine.shutdown()
+            self.engine = self.node = None
         if self.saves_memory and self.engine is not None and not self.released:
             memory.release(self.engine, memory.ALL)
             self.released = memory.ALL
@@ -154,9 +174,11 @@ class StageEngine:
             self.released = tuple(t for t in self.released if t not in todo)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        if self.spread() and self.mode == "colocated":  # every node's servers serve rank 0's final evaluation
+            parallel.wait_for_main_rank()
+        for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
+            engine.shutdown()
+        self.engine = self.node = None
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None

@@ -238,6 +238,7 @@ def run_rollout_phase(
     missing = [k for k in range(len(chunks)) if not done[k]]
     shard_requests = {k: stage_requests(chunks[k], sampling, n_samples, stage) for k in missing}
     engine.check_requests([r for reqs in shard_requests.values() for r in reqs])  # every bad prompt, before any work
+    engine.begin_stage()
     in_flight = max_in_flight or engine.max_in_flight
     stream = _streamed_shards(engine, shard_requests, in_flight) if in_flight else \
         _called_shards(engine, shard_requests, shards_per_call)
@@ -264,6 +265,10 @@ def run_rollout_phase(
                         reward=f"{reward_sum / max(n_done, 1):.3f}")
     bar.close()
     manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path)
+    servers = manifest.extra.get("servers") or []
+    if servers:
+        print(f"[rollout] stage {stage}: per server (requests, samples/s, restarts): " + ", ".join(
+            f"{s['url']} {s['requests']} {s['samples_per_s']:.1f}/s {s['restarts']}" for s in servers))
     print(
         f"[rollout] stage {stage}: {manifest.num_groups} groups x {n_samples} in {manifest.t_rollout_s:.1f}s | "
         f"reward {manifest.reward_mean:.3f} | all-correct {manifest.all_correct_fraction:.2f} "
@@ -291,6 +296,7 @@ def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_vers
         sampling=asdict(sampling), engine=engine.name, model_path=str(model_path),
         policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
         deterministic=combined_mode([i.deterministic for i in infos]), **group_stats(rewards, finish, lengths),
+        extra={"servers": servers} if (servers := engine.server_stats()) else {},
     )
     write_manifest(out, manifest)
     return manifest

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 from megamu.engines.types import GenerateRequest, SamplingParams
 
@@ -33,6 +34,7 @@ class SchemaServer:
         self.running = 0  # sequences (samples) of /generate requests being answered now, and the most at once
         self.peak_running = 0
         self.workers: list[str] | None = None  # set: answer /list_workers as an sglang-router with these URLs
+        self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -118,7 +120,8 @@ class SchemaServer:
             def do_GET(self):
                 if not self._authorized():
                     return
-                if self.path == "/health":
+                if self.path in ("/health", "/health_generate"):  # answered while busy, as SGLang's (no lock)
+                    server.probes += 1
                     return self._reply(200, {})
                 if self.path == "/server_info":
                     info = {"model_path": server.engine.hf_dir, "dtype": "float32",
@@ -148,6 +151,12 @@ class SchemaServer:
                         server.rids.update(rids)
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
+                if self.path.startswith(("/add_worker?url=", "/remove_worker?url=")):  # sglang-router's worker API
+                    url = unquote(self.path.split("=", 1)[1])
+                    with server.lock:
+                        server.workers = [w for w in server.workers or [] if w != url]
+                        server.workers += [url] if self.path.startswith("/add") else []
+                    return self._reply(200, {"message": "ok"})
                 tags, version = body.get("tags") or [], body.get("weight_version")
                 server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
                                     + (f"@{version}" if version else ""))

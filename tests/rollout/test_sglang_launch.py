@@ -88,3 +88,101 @@ def test_engine_flags(tmp_path):
                          (["--sglang-env", "NOEQUALS"], "--sglang-env.*NAME=VALUE")):
         with pytest.raises(SystemExit, match=message):
             parse_args(base + bad, device=Device("cpu"))
+
+
+def _two_nodes(model_dir: str, record: Path, *mode: str) -> list[dict]:
+    """Two torchrun launchers on this machine playing two nodes (distinct node ranks, c10d rendezvous on 127.0.0.1)
+    through one staged stage (workers/sglang_stage_nodes.py); what each node saw, by node."""
+    import os
+    import signal
+    import subprocess
+
+    port, rdzv = free_port(), free_port()
+    worker = REPO / "tests" / "rollout" / "workers" / "sglang_stage_nodes.py"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{rdzv}",
+                               "--rdzv_id", "megamu-two-nodes", str(worker), model_dir, str(record), str(port),
+                               *mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    nodes = [json.loads((record / f"node{n}.json").read_text()) for n in range(2)]
+    assert {n["rank"] for n in nodes} == {0, 1}
+    return nodes
+
+
+def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_llama, tmp_path):
+    """Each node's servers generate part of the stage and the record counts each; each node's stop leaves nothing.
+    Then node 1's server is killed mid-stage: node 1 finds it dead (and restarts it: the stage may end first), rank 0
+    moves its requests to node 0's server, and the dataset equals the fault-free run's (the schema servers draw from
+    the seeds alone). A remote server's rejoining: test_sglang_health.py."""
+    from megamu.rollout.dataset import StageDataset
+
+    nodes = _two_nodes(tiny_llama, tmp_path / "clean")
+    assert all(n["pids"] and not n["alive_after_release"] for n in nodes)  # each node stopped its own servers
+    stage = StageDataset(tmp_path / "clean" / "run" / "rollouts" / "stage_0")
+    servers = stage.manifest.extra["servers"]
+    assert [s["url"] for s in servers] == [u for n in sorted(nodes, key=lambda n: n["rank"]) for u in n["urls"]]
+    assert all(s["requests"] > 0 and s["samples_per_s"] > 0 for s in servers)  # both nodes generated
+    assert sum(s["requests"] for s in servers) == stage.num_groups
+
+    nodes = _two_nodes(tiny_llama, tmp_path / "kill", "kill")
+    assert all(n["pids"] and not n["alive_after_release"] for n in nodes)
+    rank0 = next(n for n in nodes if n["rank"] == 0)
+    killed_url = nodes[1]["urls"][0]
+    assert "exited with status -9" in nodes[1]["node_events"][0]["why"]  # its own node saw it die
+    assert [e["url"] for e in rank0["dispatcher_events"] if e["event"] == "dead"] == [killed_url]
+    key = lambda d: [(s.prompt_id, s.sample_index, s.response_ids, [round(x, 6) for x in s.behaviour_logprobs])
+                     for s in StageDataset(d / "run" / "rollouts" / "stage_0").samples()]
+    assert key(tmp_path / "kill") == key(tmp_path / "clean")
+
+
+def test_colocated_servers_on_two_nodes_stay_up_and_take_folder_pushes(tiny_llama, tmp_path):
+    """Colocated with --weight-sync disk: each node's servers start once, serve both stages (the second after rank 0
+    pushed a new folder to every node's servers: the client refuses samples of another weight version), and are gone
+    after the run's close."""
+    from megamu.rollout.dataset import StageDataset
+    from megamu.tiny import save_tiny_model
+
+    other = str(save_tiny_model(tmp_path / "other", "llama", seed=5))
+    nodes = _two_nodes(tiny_llama, tmp_path / "run0", "colocated", other)
+    assert all(n["kept"] and n["gone"] for n in nodes)
+    for stage in (0, 1):
+        dataset = StageDataset(tmp_path / "run0" / "run" / "rollouts" / f"stage_{stage}")
+        servers = dataset.manifest.extra["servers"]
+        assert len(servers) == 2 and all(s["requests"] > 0 for s in servers)
+    assert {s.policy_version for s in dataset.samples()} == {1}
+
+
+def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_path):
+    """--sglang-router: the launched server joins the running router (its /add_worker), requests go through the router,
+    and the server leaves it before it stops. The stand-in router answers itself and lists its workers."""
+    from megamu.engines.local import LocalEngine
+    from megamu.engines.sglang.nodes import start_sglang
+    from tests.rollout.schema_server import SchemaServer
+
+    router = SchemaServer(LocalEngine(tiny_llama), api_key="k")
+    router.workers = []
+    cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=free_port(),
+                       startup_timeout_s=120, log_dir=str(tmp_path / "logs"), api_key="k", router=router.url,
+                       server_concurrency=3)
+    try:
+        dispatcher, node = start_sglang(tiny_llama, cfg)
+        try:
+            assert dispatcher.urls == [router.url] and router.workers == node.urls
+            assert dispatcher.routers == [router.url] and dispatcher.capacities == [3]  # the sum over its workers
+            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2))])
+            assert len(out) == 2 and len(router.log) == 1
+        finally:
+            dispatcher.shutdown()
+            assert router.workers == []  # left the router before its server stops
+            node.shutdown()
+    finally:
+        router.close()

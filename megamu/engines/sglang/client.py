@@ -6,8 +6,9 @@ kept full: it is sent twice its capacity in running sequences (``max_running_req
 ``server_concurrency``), the next request going to the server with the fewest outstanding (dispatch.py); a router
 gets the sum of its workers' capacities and places them itself. The few control calls (health, info, weight syncs)
 use urllib in a small pool.
-Every request is retried with exponential backoff on connection errors and 5xx (on the next server, when there are
-several), never on a timeout (a retry would redo a long generation) or a 4xx.
+Every request is retried with exponential backoff on connection errors and 5xx, never on a timeout (a retry would
+redo a long generation) or a 4xx. /generate requests are watched by health.py: a dead or hung server's requests go
+to the live servers, and servers megamu launched are restarted.
 Prompts are checked before anything is sent: an empty prompt or an out-of-vocabulary id kills a real server.
 
 Seeds: every sample is sent with its own ``sampling_seed``, but SGLang honours it only on servers launched with
@@ -18,7 +19,6 @@ its missing shards. ``SGLangEngine.deterministic`` says which.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
@@ -26,6 +26,7 @@ import random
 import secrets
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 import weakref
@@ -34,16 +35,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from megamu.engines.sglang.dispatch import OVERSUBSCRIPTION, Dispatcher, server_capacities
+from megamu.engines.sglang.health import ServerState, Supervisor, wait_for_servers
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
     launch_servers,
-    log_tail,
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
 from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
-from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused, attempt_body
+from megamu.engines.sglang.transport import AsyncTransport, attempt_body
 from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
 
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
@@ -76,22 +77,23 @@ class SGLangEngine:
         self._pool = None
         self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
+        self._router_workers: list[tuple[str, str]] = []  # (router, server) pairs this engine added (nodes.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
+        self.hf_dir, self.log_dir, logs = hf_dir, None, []
         if cfg.urls:
             self.urls = [u.rstrip("/") for u in cfg.urls]
-            self._wait_healthy([], model_path=None)
         else:
             if hf_dir is None:
                 raise ValueError("SGLangEngine needs hf_dir (to launch servers) or urls (--sglang-url)")
             self.api_key = self.api_key or secrets.token_hex(16)
-            log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
+            self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
             try:
-                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self._procs, log_dir)
+                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self._procs, self.log_dir)
             except (PortInUse, OSError) as e:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
-            self._wait_healthy(logs, model_path=str(hf_dir))
+        self._wait_healthy(logs, model_path=None if cfg.urls else str(hf_dir))
         if cfg.deterministic and self.deterministic is not True:
             self.shutdown()
             raise SGLangError("deterministic rollouts were asked for, but the servers at "
@@ -100,41 +102,29 @@ class SGLangEngine:
             print("[sglang] deterministic inference is off (the default; --rollout-deterministic turns it on, at a "
                   "cost in speed): sampling_seed is ignored, so a resumed stage draws new samples for its missing "
                   "shards")
+        # What a restarted server must serve: its launch weights, or those of the last sync from a folder.
+        self.launch_version, self.weights_folder = self.weight_version, None
         self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._transport = AsyncTransport(headers)
-        self._dispatch = Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities])
+        servers = [ServerState(u, i, self._procs[i] if self.launched else None, logs[i] if logs else None)
+                   for i, u in enumerate(self.urls)]
+        self._health = Supervisor(self, servers, Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities]),
+                                  self._transport)
         print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
               + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
 
     # ---- server lifecycle -------------------------------------------------------------------------------------
     def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        infos = []
-        for i, url in enumerate(self.urls):
-            log = logs[i] if i < len(logs) else None
-            while True:
-                proc = self._procs[i] if i < len(self._procs) else None
-                if proc is not None and proc.poll() is not None:
-                    self.shutdown()
-                    raise SGLangError(f"SGLang server {url} exited with code {proc.returncode} during startup; "
-                                      f"log {log}:\n{log_tail(log)}")
-                try:
-                    self._call(url, "/health", None, timeout=5.0)
-                    break
-                except (OSError, http.client.HTTPException, SGLangError):
-                    pass
-                if time.monotonic() > deadline:
-                    tail = f"log {log}:\n{log_tail(log)}" if log else "(not started by us: no log)"
-                    self.shutdown()
-                    raise SGLangError(f"SGLang server {url} not healthy after {self.config.startup_timeout_s:.0f}s; "
-                                      f"{tail}")
-                time.sleep(1.0)
-            try:
-                infos.append(self._check_server(url, model_path))
-            except SGLangError:
-                self.shutdown()
-                raise
+        timeout = self.config.url_timeout_s if self.config.urls else self.config.startup_timeout_s
+        try:
+            ready = wait_for_servers(lambda u, p, b, t: self._call(u, p, b, timeout=t), self.urls, self._procs,
+                                     logs, timeout, given=bool(self.config.urls))
+            self.urls = [self.urls[i] for i in ready]  # given servers that never answered are left out, named
+            infos = [self._check_server(url, model_path) for url in self.urls]
+        except SGLangError:
+            self.shutdown()
+            raise
         self._read_limits(infos, model_path)
         self.capacities, self.routers = server_capacities(self.urls, infos, self.config.server_concurrency,
                                                           self._get_or_none)
@@ -188,7 +178,27 @@ class SGLangEngine:
             raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
         self.weight_version = versions.pop() if versions else None
 
+    def join_router(self, router: str, url: str) -> None:
+        """Add server ``url`` to sglang-router ``router``'s workers until this engine shuts down."""
+        self._call(router, f"/add_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=60.0)
+        self._router_workers.append((router, url))
+
+    def refresh_capacities(self) -> None:
+        """Ask the servers (a router: its workers) their capacities again."""
+        self.capacities, self.routers = server_capacities(self.urls, [{}] * len(self.urls),
+                                                          self.config.server_concurrency, self._get_or_none)
+        self._health.dispatcher.capacities = [OVERSUBSCRIPTION * c for c in self.capacities]
+
     def shutdown(self) -> None:
+        for router, url in getattr(self, "_router_workers", []):  # before the servers stop: no request goes there
+            try:
+                self._call(router, f"/remove_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=30.0)
+            except (SGLangError, OSError, http.client.HTTPException):
+                pass  # the router drops a worker that stopped answering anyway
+        self._router_workers = []
+        if getattr(self, "_health", None) is not None:
+            self._health.close()
+            self._health = None
         if self._sync is not None:
             self._sync.close()
             self._sync = None
@@ -248,26 +258,6 @@ class SGLangEngine:
             delay *= 2
         raise AssertionError("unreachable")
 
-    async def _apost_with_retries(self, urls: list[str], path: str, body: dict, what: str):
-        """``_post_with_retries`` on the event loop: the same attempts, servers, request ids, backoff and errors."""
-        delay = self.config.backoff_s
-        retries, timeout = self.config.max_retries, self.config.request_timeout_s
-        for attempt in range(retries + 1):
-            url = urls[attempt % len(urls)]
-            try:
-                return await self._transport.post(url, path, attempt_body(body, attempt), timeout=timeout)
-            except HTTPRefused as e:
-                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
-            except TimeoutError as e:
-                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
-            except (ConnectionError, OSError) as e:
-                error = e
-            if attempt == retries:
-                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
-            await asyncio.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
-
     def _post_all(self, path: str, body: dict, what: str) -> list:
         """The same request to every server at once (weight syncs); raises if any says it failed."""
         futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in self.urls]
@@ -293,12 +283,8 @@ class SGLangEngine:
                 "sampling_params": [sampling_payload(sp, sample_seed(seed, req.prompt_id, j)) for j in range(sp.n)],
                 "return_logprob": True, "logprob_start_len": -1, "stream": False}
         out = []
-        if sp.n > 0:
-            server = await self._dispatch.acquire(sp.n)  # a slot on the least busy server with room
-            try:  # retries move on to the next servers, as in _post_with_retries
-                out = await self._apost_with_retries(self.urls[server:] + self.urls[:server], "/generate", body, what)
-            finally:
-                self._dispatch.release(server, sp.n)
+        if sp.n > 0:  # to the least busy live server with room; a dead server's requests move on (health.py)
+            out = await self._health.request("/generate", body, sp.n, what)
         results = out if isinstance(out, list) else [out]
         if len(results) != sp.n:
             raise SGLangError(f"{what}: expected {sp.n} samples, got {len(results)}")
@@ -308,6 +294,24 @@ class SGLangEngine:
             raise SGLangError(f"{what}: made by weight version {stale[0]}, but the servers were synced to "
                               f"{self.weight_version}")
         return samples
+
+    def keep_alive(self) -> None:
+        """Probe and restart these servers all the time, not only while this engine sends requests: a node's servers
+        that another rank dispatches to (nodes.py)."""
+        self._health.keeper = True
+
+    def begin_stage(self) -> None:
+        """A rollout phase starts: restart budgets and per-server counts start from zero."""
+        self._health.begin_stage()
+
+    def server_stats(self) -> list[dict]:
+        """Per server, since ``begin_stage``: requests and samples answered, samples/s, restarts."""
+        return self._health.stats()
+
+    @property
+    def health_events(self) -> list[dict]:
+        """Deaths and restarts of servers, with their wall-clock times and causes."""
+        return self._health.events
 
     @property
     def max_in_flight(self) -> int:

@@ -67,34 +67,59 @@ class Dispatcher:
             raise ValueError(f"every server needs a capacity >= 1, got {capacities}")
         self.capacities = list(capacities)
         self.outstanding = [0] * len(capacities)
-        self._waiting: deque[tuple[int, asyncio.Future]] = deque()
+        self.alive = [True] * len(capacities)  # a dead server (health.py) takes nothing until it rejoins
+        self.error: BaseException | None = None  # set by ``fail``: every acquire raises it
+        self._waiting: deque[tuple[int, asyncio.Future, int | None]] = deque()
 
-    def pick(self, n: int) -> int | None:
+    @property
+    def busy(self) -> bool:
+        """Whether any request holds or waits for a slot."""
+        return bool(self._waiting) or any(self.outstanding)
+
+    def set_alive(self, server: int, alive: bool) -> None:
+        self.alive[server] = alive
+        self._grant()
+
+    def fail(self, error: BaseException) -> None:
+        """No server will take requests again: those waiting and those to come raise ``error``."""
+        self.error = error
+        while self._waiting:
+            slot = self._waiting.popleft()[1]
+            if not slot.done():
+                slot.set_exception(error)
+
+    def pick(self, n: int, avoid: int | None = None) -> int | None:
         """The server with the fewest outstanding sequences that has room for ``n`` more (lowest index on a tie), or
-        None. A request larger than a whole server's capacity goes to an idle server rather than never."""
+        None. A request larger than a whole server's capacity goes to an idle server rather than never. A retry
+        ``avoid``s the server that just failed it, unless no other server is alive."""
         best = None
+        if avoid is not None and not any(a for i, a in enumerate(self.alive) if i != avoid):
+            avoid = None
         for i, (out, cap) in enumerate(zip(self.outstanding, self.capacities)):
-            if (out + n <= cap or out == 0) and (best is None or out < self.outstanding[best]):
+            usable = self.alive[i] and i != avoid and (out + n <= cap or out == 0)
+            if usable and (best is None or out < self.outstanding[best]):
                 best = i
         return best
 
-    async def acquire(self, n: int) -> int:
+    async def acquire(self, n: int, avoid: int | None = None) -> int:
         """Wait for room for ``n`` sequences, in arrival order; returns the server, holding ``n`` of its slots."""
+        if self.error is not None:
+            raise self.error
         if not self._waiting:
-            server = self.pick(n)
+            server = self.pick(n, avoid)
             if server is not None:
                 self.outstanding[server] += n
                 return server
         slot: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting.append((n, slot))
+        self._waiting.append((n, slot, avoid))
         try:
             return await slot
         except asyncio.CancelledError:
             if slot.done() and not slot.cancelled():  # granted just as it was cancelled: give the slots back
                 self.release(slot.result(), n)
             else:
-                if (n, slot) in self._waiting:  # _grant may have dropped it already
-                    self._waiting.remove((n, slot))
+                if (n, slot, avoid) in self._waiting:  # _grant may have dropped it already
+                    self._waiting.remove((n, slot, avoid))
                 self._grant()  # it may have blocked smaller requests behind it
             raise
 
@@ -104,11 +129,11 @@ class Dispatcher:
 
     def _grant(self) -> None:
         while self._waiting:
-            n, slot = self._waiting[0]
+            n, slot, avoid = self._waiting[0]
             if slot.done():  # cancelled while waiting: acquire removes it
                 self._waiting.popleft()
                 continue
-            server = self.pick(n)
+            server = self.pick(n, avoid)
             if server is None:
                 return
             self._waiting.popleft()

@@ -37,6 +37,9 @@ class SGLangConfig:
     how weights reach it. ``dtype`` is set by ``megamu.engines.build_engine`` from ``EngineConfig.dtype``."""
 
     urls: list[str] = field(default_factory=list)  # running servers or a router; empty: megamu launches servers
+    # A running sglang-router: the servers megamu launches (on every node) join it for the stage, and rank 0 sends
+    # every request through it (nodes.py).
+    router: str | None = None
     num_servers: int = 1  # per node
     tp_size: int = 1
     api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
@@ -47,7 +50,17 @@ class SGLangConfig:
     server_env: dict[str, str] = field(default_factory=dict)  # added to the launched servers' environment
     extra_server_args: list[str] = field(default_factory=list)  # e.g. the CPU flags of shared/sglang-cpu/launch.sh
     log_dir: str | None = None
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0  # launched servers: loading the model may take this long
+    # Given servers (urls) must answer /health within this: the run starts on those that do and names the others;
+    # none does: the run fails, naming each URL with its error.
+    url_timeout_s: float = 60.0
+    # Health during generation (health.py): every server is probed each probe_period_s; a server that exits, refuses
+    # connections, or misses probe_misses probes in a row (no answer within probe_timeout_s) is dead. A hung server
+    # is thus found within probe_misses * (probe_period_s + probe_timeout_s) (45 s by default).
+    probe_period_s: float = 5.0
+    probe_timeout_s: float = 10.0
+    probe_misses: int = 3
+    max_restarts: int = 3  # per stage: dead servers megamu launched are restarted this many times in all
     # Sequences each server runs at once (a request of n samples counts n); None: the server's max_running_requests
     # from /server_info, else 512. A router is given the sum over its workers.
     server_concurrency: int | None = None
@@ -68,10 +81,14 @@ class SGLangConfig:
         check_choice(self, "weight_sync", WEIGHT_SYNCS)
         check_choice(self, "sync_backend", ("gloo", "nccl"))
         check_positive(self, "num_servers", "tp_size", "server_concurrency", "port_base")
-        check_non_negative(self, "max_retries")
-        for name in ("startup_timeout_s", "request_timeout_s", "weight_bucket_mb"):
+        check_positive(self, "probe_misses")
+        check_non_negative(self, "max_retries", "max_restarts")
+        for name in ("startup_timeout_s", "url_timeout_s", "request_timeout_s", "weight_bucket_mb", "probe_period_s",
+                     "probe_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.router and self.urls:
+            raise ConfigError("router", "a router is for the servers megamu launches; give running servers as urls")
         if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_server_args):
             raise ConfigError("extra_server_args", "give the server dtype once, as SGLangConfig.dtype, not in the "
                                                    "server args: it must match the dtype of the weights megamu exports")
@@ -180,23 +197,31 @@ def launch_servers(cfg: SGLangConfig, hf_dir: str, api_key: str, procs: list[sub
                    log_dir: Path) -> tuple[list[str], list[Path]]:
     """Start ``cfg.num_servers`` servers on this node, appending each process to ``procs`` as it starts (so the
     caller can stop them even if a later one fails); returns their URLs and log files."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = server_env(cfg)
     urls, logs = [], []
     for i in range(cfg.num_servers):
         port = cfg.port_base + i
         if port_in_use(port, cfg.host):  # a leftover server there would answer /health in place of ours
             raise PortInUse(f"port {port} (SGLang server {i}) is already in use, maybe by a server left over "
                             "from an earlier run; stop it or choose another port_base")
-        log = log_dir / f"server_{i}.log"
-        with open(log, "w") as f:
-            # Own session: the whole server (scheduler, detokenizer children) is one process group to stop.
-            procs.append(subprocess.Popen(server_command(cfg, hf_dir, port, i, api_key), stdout=f,
-                                          stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                          preexec_fn=_die_with_parent))
+        proc, log = launch_server(cfg, hf_dir, api_key, i, log_dir)
+        procs.append(proc)
         urls.append(f"http://{advertised_host(cfg.host)}:{port}")
         logs.append(log)
     return urls, logs
+
+
+def launch_server(cfg: SGLangConfig, hf_dir: str, api_key: str, index: int, log_dir: Path,
+                  restart: int = 0) -> tuple[subprocess.Popen, Path]:
+    """Start server ``index`` of this node (port ``port_base + index``); a restart writes a log of its own, so the
+    dead server's log stays as it was."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / (f"server_{index}.log" if not restart else f"server_{index}.restart{restart}.log")
+    with open(log, "w") as f:
+        # Own session: the whole server (scheduler, detokenizer children) is one process group to stop.
+        proc = subprocess.Popen(server_command(cfg, hf_dir, cfg.port_base + index, index, api_key), stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=server_env(cfg),
+                                preexec_fn=_die_with_parent)
+    return proc, log
 
 
 class PortInUse(RuntimeError):

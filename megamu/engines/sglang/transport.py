@@ -37,6 +37,10 @@ class HTTPRefused(Exception):
         self.status = status
 
 
+class Unreachable(ConnectionError):
+    """Nothing listens at the server's address (connection refused or no route): it is gone, not busy."""
+
+
 class AsyncTransport:
     """Runs coroutines on a private event loop; ``submit`` hands back a concurrent.futures.Future."""
 
@@ -82,9 +86,27 @@ class AsyncTransport:
                     raise HTTPRefused(f"{url}{path}: HTTP {resp.status}: {detail}", resp.status)
         except TimeoutError as e:  # aiohttp's total timeout; TimeoutError itself on Python >= 3.11
             raise TimeoutError(f"{url}{path}: no answer within {timeout}s") from e
-        except aiohttp.ClientError as e:  # refused, reset, dropped before the answer, malformed answer
+        except aiohttp.ClientConnectorError as e:  # refused: nothing listens there
+            raise Unreachable(f"{url}{path}: {type(e).__name__}: {e}") from e
+        except aiohttp.ClientError as e:  # reset, dropped before the answer, malformed answer
             raise ConnectionError(f"{url}{path}: {type(e).__name__}: {e}") from e
         return json.loads(raw) if raw.strip() else None
+
+    async def get(self, url: str, path: str, timeout: float) -> int:
+        """GET ``path`` and return the HTTP status (health probes); errors as ``post``'s, any status is an answer."""
+        import aiohttp
+
+        session = await self._get_session()
+        try:
+            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                await resp.read()
+                return resp.status
+        except TimeoutError as e:
+            raise TimeoutError(f"{url}{path}: no answer within {timeout}s") from e
+        except aiohttp.ClientConnectorError as e:
+            raise Unreachable(f"{url}{path}: {type(e).__name__}: {e}") from e
+        except aiohttp.ClientError as e:
+            raise ConnectionError(f"{url}{path}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         if not self.loop.is_running():

@@ -250,6 +250,7 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
     if got != {version}:
         raise RuntimeError(f"after the sync the servers report weight version(s) {sorted(got)}, not {version}")
     engine.weight_version = version
+    engine.weights_folder = str(hf_dir) if hf_dir is not None else None  # what a restarted server loads (health.py)
     probe_diff = check_probe(engine, probe) if probe is not None else None
     return SyncReport(mode, time.monotonic() - t0, version, sent, probe_diff)
 

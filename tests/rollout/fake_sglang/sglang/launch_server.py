@@ -1,5 +1,6 @@
 """``python -m sglang.launch_server`` for launcher tests: the schema server on --port with --api-key, for --model-path.
 
+$FAKE_SGLANG_DELAY (seconds) holds every /generate that long, so a test can act while requests are in flight.
 It writes its command line and environment to $FAKE_SGLANG_RECORD/<port>.json, so tests can see what megamu passed."""
 
 import argparse
@@ -22,4 +23,5 @@ args, _ = ap.parse_known_args()
 record = Path(os.environ["FAKE_SGLANG_RECORD"]) / f"{args.port}.json"
 record.write_text(json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "pid": os.getpid()}))
 server = SchemaServer(LocalEngine(args.model_path), api_key=args.api_key, port=args.port)
+server.delay_s = float(os.environ.get("FAKE_SGLANG_DELAY", "0"))
 time.sleep(600)  # bounded: a test that forgets to stop it loses it after ten minutes

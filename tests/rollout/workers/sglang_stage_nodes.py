@@ -1,0 +1,98 @@
+"""One "node" of a two-node staged stage (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous): StageEngine starts
+a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
+its own servers before going on.
+
+argv: model_dir record_dir port_base [kill | colocated model_dir_2]. With "kill", node 1 SIGKILLs its server once
+rank 0 has written the stage's first shard. With "colocated", two colocated stages on the same servers, the second
+after a push of model_dir_2 from its folder. Writes record_dir/node<GROUP_RANK>.json."""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megamu import parallel
+from megamu.engines import EngineConfig
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.loop.staged import StageEngine
+from megamu.metrics import MetricsLogger
+from megamu.reward.config import RewardConfig
+from megamu.rollout import RolloutConfig
+from megamu.run_dir import RunDir
+from megamu.tiny import build_char_tokenizer
+from megamu.weights import Weights
+from tests.rollout.test_phase import make_prompts
+
+
+def kill_after_first_shard(first_shard: Path, pid: int) -> None:
+    while not first_shard.exists():
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def colocated(stages: StageEngine, model_dir: str, model_dir_2: str, record: str, node: int, tok) -> None:
+    stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    stages.generate(0, make_prompts(tok), 0)
+    pids, urls = stages.node.pids, stages.node.urls
+    stages.release()  # the servers stay up
+    stages.load(Weights(version=1, hf_dir=Path(model_dir_2)), 1)  # rank 0 pushes the folder to every node's servers
+    stages.generate(1, make_prompts(tok), 1)
+    kept = stages.node.pids == pids
+    stages.release()
+    stages.close()  # after rank 0 is done with every node's servers
+    gone = not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    Path(record, f"node{node}.json").write_text(json.dumps({"node": node, "rank": dist.get_rank(), "kept": kept,
+                                                            "gone": gone, "urls": urls}))
+
+
+def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: str | None) -> None:
+    dist.init_process_group("gloo")
+    parallel._init_wait_group()  # the CPU-side group init_distributed makes for the trainer
+    node = int(os.environ["GROUP_RANK"])
+    repo = str(Path(__file__).resolve().parents[3])
+    cfg = SGLangConfig(server_python=sys.executable, port_base=port_base + 10 * node, startup_timeout_s=120,
+                       log_dir=f"{record}/logs{node}", backoff_s=0.05, server_concurrency=1, probe_period_s=0.5,
+                       server_env={"PYTHONPATH": f"{repo}/tests/rollout/fake_sglang", "FAKE_SGLANG_REPO": repo,
+                                   "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"})
+    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, groups_per_shard=2,
+                            reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
+    tok = build_char_tokenizer()
+    stages = StageEngine("colocated" if mode == "colocated" else "staged",
+                         EngineConfig(kind="sglang", sglang=cfg), rollout, RunDir(Path(record) / "run"), tok,
+                         metrics=MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0),
+                         held_out=[])
+    if mode == "colocated":
+        colocated(stages, model_dir, model_dir_2, record, node, tok)
+        dist.destroy_process_group()
+        return
+    kill = mode == "kill"
+    stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    killed = []
+    if kill and node == 1:  # the servers start inside generate: watch for them from a thread
+        def arm():
+            while stages.node is None:
+                time.sleep(0.01)
+            killed.append(stages.node.pids[0])
+            kill_after_first_shard(Path(record) / "run" / "rollouts" / "stage_0" / "shard-00000.parquet", killed[0])
+        threading.Thread(target=arm, daemon=True).start()
+    stages.generate(0, make_prompts(tok), 0)
+    parallel.wait_for_main_rank()  # rank 0's phase is over (release waits here too): what did each side see?
+    pids = killed + stages.node.pids
+    seen = {"node": node, "rank": dist.get_rank(), "urls": stages.node.urls, "pids": pids,
+            "node_events": stages.node.health_events,
+            "dispatcher_events": stages.engine.health_events if stages.engine is not None else []}
+    stages.release()  # returns once this node's servers are gone
+    seen["alive_after_release"] = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                                   open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    stages.close()
+    Path(record, f"node{node}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), (sys.argv[4:] or [""])[0], (sys.argv[5:] or [None])[0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,13 @@ from megamu.engines.types import (
     check_prompts,
     sample_seed,
 )
+
+# transformers' from_pretrained swaps process-wide state while it builds a model (torch.nn.init's functions replaced by
+# no-ops in no_init_weights, torch's default dtype) and puts back what it found: two loads in two threads can put the
+# no-ops back for good (measured: within 4 pairs of concurrent loads of the tiny model), after which every randomly
+# initialised tensor in the process is uninitialised memory. Engines in one process (the schema servers of the tests,
+# folder pushes answered in server threads) load one at a time.
+_LOAD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -164,7 +172,8 @@ class LocalEngine(EngineBase):
         from transformers import AutoModelForCausalLM
 
         self.hf_dir = str(hf_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype).eval()
+        with _LOAD_LOCK:
+            self.model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype).eval()
         # Like SGLang: stop on the EOS ids of config.json and of generation_config.json (they can differ).
         self.eos_ids = set()
         for eos in (self.model.config.eos_token_id, self.model.generation_config.eos_token_id):

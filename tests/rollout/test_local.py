@@ -162,3 +162,22 @@ def test_shared_prefix_length_leaves_every_prompt_a_token():
     assert shared_prefix_length([[5, 6, 7]]) == 2
     assert shared_prefix_length([[1], [1, 4]]) == 0
     assert shared_prefix_length([[3, 1], [4, 1]]) == 0
+
+
+def test_engines_loaded_in_threads_leave_torch_init_intact(tiny_llama):
+    """transformers' from_pretrained replaces torch.nn.init's functions by no-ops while it loads and puts back what it
+    found; engines loading in two threads at once (folder pushes answered by in-process servers) must not leave the
+    no-ops in place (they did within 30 rounds here without the engine's load lock): every later random init would be
+    uninitialised memory."""
+    import threading
+
+    import torch.nn.init as init
+
+    real = (init.normal_, init.uniform_, init.kaiming_uniform_)
+    for _ in range(30):
+        threads = [threading.Thread(target=LocalEngine, args=(tiny_llama,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert (init.normal_, init.uniform_, init.kaiming_uniform_) == real

@@ -14,16 +14,21 @@ greedy decoding (megamu/lab/evaluate.py), then deletes the exports and checkpoin
 run and its evaluation is read back, not rerun, so seeds and staleness points can be added over several sittings.
 ``OUT/summary.json`` has one row per run; the report (``--report``, default OUT/fidelity.md) is rewritten after each.
 
-What docs/fidelity.md ran (OUT = runs/fidelity; one staged run of 1024 updates took 3-8 min on one core):
+What docs/fidelity.md ran (OUT = runs/fidelity; one run of 1024 updates took 3-8 min on one core):
 
     bench/fidelity.py --sweep --out OUT --mu 256 --sweep-lrs 3e-4 1e-4 3e-5   # the lr rule: grpo at μ = --low-mu
     bench/fidelity.py --out OUT --sweep-dir OUT --mu 256                      # the headline set at the rule's lr
-    bench/fidelity.py --out OUT --lr 3e-5 --mu 256 --methods grpo-relaxed mu-grpo mu-grpo-trigger grpo-high-staleness
-    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --report-only --report docs/fidelity.md \\
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --seeds 2 3 --methods grpo grpo-relaxed mu-grpo
+    # lr 3e-5, outside the rule (--updates 1024 keeps the samples of the runs above; μ = 1024 is one stage):
+    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 64 256 1024 --methods grpo-relaxed mu-grpo grpo-high-staleness
+    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 256 --methods mu-grpo-trigger mu-grpo-suffix
+    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 1024 \
+        --methods mu-grpo-trigger mu-grpo-suffix mu-grpo-nontrigger-suffix m2po
+    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 1024 --seeds 2 3 --methods grpo grpo-relaxed mu-grpo
+    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --updates 1024 --report-only --report docs/fidelity.md \
         --notes docs/fidelity/reading.md
 
-and what a later sitting adds (finished runs are read back): the staleness curve, ``--mu 16 64 256 --methods
-grpo-high-staleness grpo-relaxed mu-grpo``; seeds, ``--seeds 1 2 3 --methods grpo grpo-relaxed mu-grpo``.
+Two sittings may share OUT, one per core: each rereads every finished run when it writes the summary and report.
 
 ``--quick`` is the smoke run of the suite: a lab model of a few hundred weights built in seconds, 4 updates per run.
 Flags this script does not know go to pretrain_mu_grpo.py unchanged. Runs are serial; each trainer gets one thread.

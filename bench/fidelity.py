@@ -20,7 +20,8 @@ What docs/fidelity.md ran (OUT = runs/fidelity; one run of 1024 updates took 3-8
     bench/fidelity.py --out OUT --sweep-dir OUT --mu 256                      # the headline set at the rule's lr
     bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --seeds 2 3 --methods grpo grpo-relaxed mu-grpo
     # lr 3e-5, outside the rule (--updates 1024 keeps the samples of the runs above; μ = 1024 is one stage):
-    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 64 256 1024 --methods grpo-relaxed mu-grpo grpo-high-staleness
+    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 64 256 1024 \
+        --methods grpo-relaxed mu-grpo grpo-high-staleness
     bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 256 --methods mu-grpo-trigger mu-grpo-suffix
     bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 1024 \
         --methods mu-grpo-trigger mu-grpo-suffix mu-grpo-nontrigger-suffix m2po

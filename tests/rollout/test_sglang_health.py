@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine
@@ -53,8 +54,17 @@ def _phase(engine, out: Path):
 
 def _key(stage_dir: Path) -> list[tuple]:
     """Each sample's identity and contents, in dataset order."""
-    return [(s.prompt_id, s.sample_index, tuple(s.response_ids), tuple(round(x, 5) for x in s.behaviour_logprobs))
+    return [(s.prompt_id, s.sample_index, tuple(s.response_ids), tuple(s.behaviour_logprobs))
             for s in StageDataset(stage_dir).samples()]
+
+
+def _assert_same_samples(got: list[tuple], want: list[tuple]) -> None:
+    """The same samples in the same order: identities and tokens exactly, log-probs to 1e-4. The reference came from
+    in-process servers and the run under test from launched ones with their own thread counts: fp32 forwards whose
+    sums run in another order differ by ~1e-6 here, so an exact or rounded comparison flips at a rounding boundary."""
+    assert [k[:3] for k in got] == [k[:3] for k in want]
+    torch.testing.assert_close(torch.tensor([x for k in got for x in k[3]], dtype=torch.float64),
+                               torch.tensor([x for k in want for x in k[3]], dtype=torch.float64), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +115,7 @@ def test_killed_server_is_restarted_and_the_dataset_is_complete(tiny_llama, tmp_
         new_pid = engine.pids[0]
     finally:
         engine.shutdown()
-    assert _key(out) == reference  # every group exactly once, the samples a fault-free run drew
+    _assert_same_samples(_key(out), reference)  # every group exactly once, the samples a fault-free run drew
     assert manifest.extra["servers"][0]["restarts"] == 1 and new_pid != pid and not pid_alive(new_pid)
     assert "exited with status -9" in events[0]["why"] and events[1]["event"] == "restarted"
     print(f"\nkill: detected after {events[0]['time'] - fault['t']:.2f}s, restarted in {events[1]['seconds']:.1f}s")
@@ -122,7 +132,7 @@ def test_hung_server_is_found_within_the_probe_bound(tiny_llama, tmp_path, refer
     finally:
         engine.shutdown()
     assert not pid_alive(pid)  # the stopped server was killed, not left behind
-    assert _key(out) == reference
+    _assert_same_samples(_key(out), reference)
     # found by its missed probes: at most PROBE_MISSES rounds of (period + timeout), plus slack for a loaded core
     assert detected < PROBE_MISSES * (PERIOD + TIMEOUT) + 5.0
     assert [s["url"] for s in manifest.extra["servers"]] == engine.urls
@@ -158,7 +168,8 @@ def test_refused_port_moves_requests_and_the_server_rejoins(tiny_llama, tmp_path
         engine.shutdown()
         for s in servers[::2]:
             s.close()
-    assert _key(out) == reference and "refuses connections" in events[0]["why"]
+    _assert_same_samples(_key(out), reference)
+    assert "refuses connections" in events[0]["why"]
     assert [e["event"] for e in events] == ["dead", "rejoined"] and servers[2].log  # the returned server generated
     assert sum(s["requests"] for s in manifest.extra["servers"]) == manifest.num_groups
     print(f"\nrefused port: detected after {detected:.2f}s")
@@ -183,7 +194,7 @@ def test_out_of_restarts_names_the_server_and_a_rerun_resumes(tiny_llama, tmp_pa
         _phase(engine, out)
     finally:
         engine.shutdown()
-    assert _key(out) == reference
+    _assert_same_samples(_key(out), reference)
 
 
 def test_start_on_the_healthy_urls_naming_the_missing_and_fail_when_none(server, monkeypatch, capsys):

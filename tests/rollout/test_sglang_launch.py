@@ -139,9 +139,9 @@ def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_ll
     killed_url = nodes[1]["urls"][0]
     assert "exited with status -9" in nodes[1]["node_events"][0]["why"]  # its own node saw it die
     assert [e["url"] for e in rank0["dispatcher_events"] if e["event"] == "dead"] == [killed_url]
-    key = lambda d: [(s.prompt_id, s.sample_index, s.response_ids, [round(x, 6) for x in s.behaviour_logprobs])
-                     for s in StageDataset(d / "run" / "rollouts" / "stage_0").samples()]
-    assert key(tmp_path / "kill") == key(tmp_path / "clean")
+    from tests.rollout.test_sglang_health import _assert_same_samples, _key
+
+    _assert_same_samples(*(_key(d / "run" / "rollouts" / "stage_0") for d in (tmp_path / "kill", tmp_path / "clean")))
 
 
 def test_colocated_servers_on_two_nodes_stay_up_and_take_folder_pushes(tiny_llama, tmp_path):

@@ -1,6 +1,7 @@
 """A small HTTP server that speaks SGLang 0.5.23's /generate schema, backed by LocalEngine.
 
 Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
+In-memory weight updates (a broadcast group, or tensor handles) are received as SGLang's TP rank 0 receives them.
 Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
 answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
 has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
@@ -15,6 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 from megamu.engines.types import GenerateRequest, SamplingParams
+
+IN_MEMORY = ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+             "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update")
 
 
 class SchemaServer:
@@ -37,6 +41,8 @@ class SchemaServer:
         self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
+        self.groups: dict = {}  # in-memory weight-sync groups joined, by name
+        self.pushed: dict = {}  # every tensor received in memory, by name (the last value)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -93,6 +99,49 @@ class SchemaServer:
                 })
         single = not batch and params[0].get("n", 1) == 1
         return results[0] if single else results
+
+    def in_memory(self, path: str, body: dict) -> dict:
+        """SGLang's in-memory weight updates, as its TP rank 0 does them: joining the trainer's broadcast group
+        (rank ``rank_offset``, the same rendezvous), receiving a flattened bucket by broadcast, or opening the
+        tensor handles of ``serialized_named_tensors[0]``; each bucket is loaded at once, as SGLang loads it."""
+        import torch
+
+        from megamu.engines.sglang.weight_sync import open_weight_group
+
+        if path == "/init_weights_update_group":
+            self.groups[body["group_name"]] = open_weight_group(
+                body["master_address"], body["master_port"], body["world_size"], body["group_name"], body["backend"],
+                timeout_s=60.0, rank=body["rank_offset"])
+        elif path == "/destroy_weights_update_group":
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.groups.pop(body["group_name"]))
+        elif path == "/update_weights_from_distributed":
+            import torch.distributed as dist
+
+            sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(body["shapes"], body["dtypes"])]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(flat, group=self.groups[body["group_name"]], group_src=0)
+            parts = flat.split(sizes)
+            self._load({n: p.view(getattr(torch, d)).view(s) for n, p, d, s in
+                        zip(body["names"], parts, body["dtypes"], body["shapes"])}, body)
+        elif path == "/update_weights_from_tensor":
+            import base64
+            import pickle
+
+            import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
+
+            obj = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            flat = obj["flattened_tensor"]
+            self._load({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape).clone()
+                        for m in obj["metadata"]}, body)
+        return {"success": True, "message": "ok"}
+
+    def _load(self, tensors: dict, body: dict) -> None:
+        with self.lock:
+            self.engine.model.load_state_dict(tensors, strict=False)
+            self.pushed.update(tensors)
+            self.weight_version = body.get("weight_version") or self.weight_version
 
     def _handler(self):
         server = self
@@ -200,6 +249,12 @@ class SchemaServer:
                         server.engine.update_weights(body["model_path"])
                         server.weight_version = body.get("weight_version") or server.weight_version
                     return self._reply(200, {"success": True, "message": "ok"})
+                if self.path in IN_MEMORY:
+                    if "weights" in server.released and self.path.startswith("/update"):
+                        return self._reply(400, {"error": "weights are released: resume them before an update"})
+                    return self._reply(200, server.in_memory(self.path, body))
+                if self.path == "/abort_request":
+                    return self._reply(200, {"success": True})
                 self._reply(404, {"error": f"no route {self.path}"})
 
         return Handler

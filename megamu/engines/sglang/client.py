@@ -77,6 +77,8 @@ class SGLangEngine:
         self._pool = None
         self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
+        self._sync_stale, self._sync_count = False, 0  # a server died since it was made; groups made so far
+        self.restore_tensors = None  # host copy of the last in-memory push, for restarted servers (weight_sync.py)
         self._router_workers: list[tuple[str, str]] = []  # (router, server) pairs this engine added (nodes.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
@@ -94,6 +96,8 @@ class SGLangEngine:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
         self._wait_healthy(logs, model_path=None if cfg.urls else str(hf_dir))
+        # where weight syncs, memory calls and probes go: the servers themselves, also behind a router (nodes.py)
+        self.control_urls = list(self.urls)
         if cfg.deterministic and self.deterministic is not True:
             self.shutdown()
             raise SGLangError("deterministic rollouts were asked for, but the servers at "
@@ -258,11 +262,13 @@ class SGLangEngine:
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _post_all(self, path: str, body: dict, what: str) -> list:
-        """The same request to every server at once (weight syncs); raises if any says it failed."""
-        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in self.urls]
+    def _post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None) -> list:
+        """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
+        failed. A router's workers are reached directly: weight syncs are not routed."""
+        urls = self.control_urls if urls is None else urls
+        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in urls]
         outs = [f.result() for f in futures]
-        for url, out in zip(self.urls, outs):
+        for url, out in zip(urls, outs):
             if isinstance(out, dict) and out.get("success") is False:
                 raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
         return outs
@@ -352,3 +358,16 @@ class SGLangEngine:
         from megamu.engines.sglang.weight_sync import sync_weights
 
         return sync_weights(self, hf_dir, state_dict, version, probe)
+
+    def adopt_weights(self, version, probe=None):
+        """Weights that each node pushed to its own servers: every server must report ``version`` (it is then
+        checked on every sample) and match the probe; returns a SyncReport (no bytes: others sent them)."""
+        from megamu.engines.sglang.weight_sync import confirm_weights
+
+        return confirm_weights(self, version, probe)
+
+    def restore_weights(self, url: str) -> None:
+        """Server ``url`` (back from a restart) gets the weights of this engine's last sync, if it serves others."""
+        from megamu.engines.sglang.weight_sync import restore_weights
+
+        restore_weights(self, url)

@@ -76,6 +76,8 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
         engine = SGLangEngine(None, replace(cfg, urls=[router], router=None))
         for url in urls:
             engine.join_router(router, url)
+        engine.control_urls = list(urls)  # weight syncs, memory calls and probes go to the servers, not the router
+        engine._read_limits([engine._check_server(u, None) for u in urls], None)  # the servers' model, not the router's
         engine.refresh_capacities()  # the router's capacity: the sum of its workers', now ours
     except BaseException:
         if engine is not None:

@@ -37,7 +37,10 @@ class SchemaServer:
         self.max_running_requests: int | None = None  # reported in /server_info's internal_states when set
         self.running = 0  # sequences (samples) of /generate requests being answered now, and the most at once
         self.peak_running = 0
-        self.workers: list[str] | None = None  # set: answer /list_workers as an sglang-router with these URLs
+        # set: act as an sglang-router (0.3's worker API, GET/POST /workers, DELETE /workers/<id>) with these workers
+        # (URLs), refusing batched /generate requests as it does (422)
+        self.workers: list[str] | None = None
+        self.worker_ids: dict[str, str] = {}
         self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
@@ -181,12 +184,23 @@ class SchemaServer:
                         info["max_running_requests"] = None
                         info["internal_states"] = [{"max_running_requests": server.max_running_requests}]
                     return self._reply(200, info)
-                if self.path == "/list_workers" and server.workers is not None:
-                    return self._reply(200, {"urls": server.workers})
+                if self.path == "/workers" and server.workers is not None:
+                    ids = {u: i for i, u in server.worker_ids.items()}
+                    return self._reply(200, {"workers": [{"id": ids.get(u, u), "url": u, "is_healthy": True}
+                                                         for u in server.workers]})
                 if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.engine.hf_dir,
                                              "weight_version": server.weight_version})
                 self._reply(404, {"error": "not found"})
+
+            def do_DELETE(self):
+                if not self._authorized():
+                    return
+                wid = unquote(self.path.removeprefix("/workers/"))
+                with server.lock:
+                    url = server.worker_ids.pop(wid, None)
+                    server.workers = [w for w in server.workers or [] if w != url]
+                return self._reply(200 if url else 404, {"message": "ok" if url else "no such worker"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -200,12 +214,16 @@ class SchemaServer:
                         server.rids.update(rids)
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
-                if self.path.startswith(("/add_worker?url=", "/remove_worker?url=")):  # sglang-router's worker API
-                    url = unquote(self.path.split("=", 1)[1])
+                if self.path == "/workers" and server.workers is not None:  # sglang-router's worker API
                     with server.lock:
-                        server.workers = [w for w in server.workers or [] if w != url]
-                        server.workers += [url] if self.path.startswith("/add") else []
-                    return self._reply(200, {"message": "ok"})
+                        wid = f"worker-{len(server.worker_ids)}"
+                        server.worker_ids[wid] = body["url"]
+                        server.workers = [w for w in server.workers if w != body["url"]] + [body["url"]]
+                    return self._reply(202, {"status": "accepted", "worker_id": wid, "url": body["url"]})
+                if self.path == "/generate" and server.workers is not None and (
+                        isinstance(body.get("rid"), list) or isinstance(body.get("sampling_params"), list)):
+                    return self._reply(422, {"error": "Failed to deserialize the JSON body: rid: invalid type: "
+                                                      "sequence, expected a string"})
                 tags, version = body.get("tags") or [], body.get("weight_version")
                 server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
                                     + (f"@{version}" if version else ""))

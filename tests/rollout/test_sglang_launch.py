@@ -168,8 +168,10 @@ def test_colocated_servers_on_two_nodes_stay_up_and_take_every_push(tiny_llama, 
 
 
 def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_path):
-    """--sglang-router: the launched server joins the running router (its /add_worker), requests go through the router,
-    and the server leaves it before it stops. The stand-in router answers itself and lists its workers."""
+    """--sglang-router: the launched server joins the running router (POST /workers), requests go through the router
+    one sample each (sglang-router refuses batches), weight syncs go to the server itself, and the server leaves the
+    router (DELETE /workers/<id>) before it stops. The stand-in router answers itself and lists its workers; the real
+    one: tests/rollout/test_sglang_router.py."""
     from megamu.engines.local import LocalEngine
     from megamu.engines.sglang.nodes import start_sglang
     from tests.rollout.schema_server import SchemaServer
@@ -184,8 +186,10 @@ def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_pa
         try:
             assert dispatcher.urls == [router.url] and router.workers == node.urls
             assert dispatcher.routers == [router.url] and dispatcher.capacities == [3]  # the sum over its workers
-            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2))])
-            assert len(out) == 2 and len(router.log) == 1
+            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2, seed=1))])
+            assert len(out) == 2 and [type(e["body"]["rid"]) for e in router.log] == [str, str]
+            report = dispatcher.update_weights(hf_dir=tiny_llama, version=5)  # to the worker, checked there
+            assert report.version == "5" and not [c for c in router.calls if "weights" in c]
         finally:
             dispatcher.shutdown()
             assert router.workers == []  # left the router before its server stops

@@ -68,7 +68,7 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
 
 def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
     """Rank 0's engine when ``cfg.router`` names a running sglang-router: the launched servers join it
-    (``POST /add_worker?url=``, sglang-router's worker API) and leave it when the engine shuts down, before the
+    (``POST /workers``, sglang-router >= 0.3) and leave it when the engine shuts down, before the
     servers stop; requests go through the router, which places them."""
     router = cfg.router.rstrip("/")
     engine = None

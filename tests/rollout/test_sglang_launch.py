@@ -144,13 +144,13 @@ def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_ll
     _assert_same_samples(*(_key(d / "run" / "rollouts" / "stage_0") for d in (tmp_path / "kill", tmp_path / "clean")))
 
 
-@pytest.mark.parametrize("sync", ["disk", "distributed", "tensor"])
+@pytest.mark.parametrize("sync", ["distributed", "tensor"])  # a folder push (disk) takes rank 0's path of "distributed"
 def test_colocated_servers_on_two_nodes_stay_up_and_take_every_push(tiny_llama, tmp_path, sync):
     """Colocated: each node's servers start once, serve both stages, and are gone after the run's close. The second
     stage comes after a push that reaches every node's servers (the client refuses samples of another weight version,
-    and both nodes' servers generate it): a folder (--weight-sync disk), a broadcast from rank 0 to every node's
-    servers (in memory, servers on GPUs of their own), or each node's own push of CUDA IPC-style handles to its own
-    servers (in memory, servers on the trainer's GPUs: a node's handles open only on its host)."""
+    and both nodes' servers generate it): a broadcast from rank 0 to every node's servers (in memory, servers on GPUs
+    of their own), or each node's own push of CUDA IPC-style handles to its own servers (in memory, servers on the
+    trainer's GPUs: a node's handles open only on its host)."""
     from megamu.rollout.dataset import StageDataset
     from megamu.tiny import save_tiny_model
 

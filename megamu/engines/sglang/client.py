@@ -253,7 +253,12 @@ class SGLangEngine:
             if e.code >= 500:
                 raise ConnectionError(f"{url}{path}: HTTP {e.code}: {detail}") from e
             raise SGLangError(f"{url}{path}: HTTP {e.code}: {detail}", status=e.code) from e
-        return json.loads(raw) if raw.strip() else None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # a plain-text answer (sglang-router's /health: "OK")
+            return raw.decode(errors="replace")
 
     def _post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
         """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.

@@ -32,7 +32,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=15 tests
+	# both cores: a test module runs on one worker (its fixtures are made once), the modules spread over two
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15 tests
 
 $(SGLANG_STAMP):
 	@test -n "$(SGLANG_CPU)" || { echo "shared/sglang-cpu not found: set SGLANG_CPU=/path/to/sglang-cpu"; exit 1; }

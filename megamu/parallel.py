@@ -190,6 +190,15 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_node_main() -> bool:
+    """Local rank 0 of this node (torchrun's LOCAL_RANK): the rank that owns the node's SGLang servers."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

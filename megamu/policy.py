@@ -149,24 +149,31 @@ class Policy:
         """What exports and in-memory pushes carry: --export-dtype, else the training precision."""
         return self.cfg.export_dtype or training_dtype(self.model)
 
-    def weights(self, *, hf_dir: Path | None = None, tensors: bool = False,
+    def weights(self, *, hf_dir: Path | None = None, tensors: bool = False, every_node: bool = False,
                 probe_ids: list[int] | None = None) -> Weights:
-        """The weights an engine is given (collective): exported to ``hf_dir``, as HF-named tensors, or both; with a
-        log-prob probe of ``probe_ids`` for the engine to match after the push."""
+        """The weights an engine is given (collective): exported to ``hf_dir``, as HF-named tensors (on global rank 0,
+        or with ``every_node`` on each node's local rank 0), or both; with a log-prob probe of ``probe_ids`` for the
+        engine to match after the push."""
         return Weights(version=self.version, hf_dir=self.export(hf_dir) if hf_dir is not None else None,
-                       tensors=self.engine_weights() if tensors else None,
+                       tensors=self.engine_weights(every_node) if tensors else None,
                        probe=self.logprob_probe(probe_ids) if probe_ids else None)
 
-    def engine_weights(self) -> dict[str, torch.Tensor] | None:
+    def engine_weights(self, every_node: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
         elsewhere. Collective over rank 0's TP group (and, for an MoE model at EP > 1, the ranks holding the other
         experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
-        nothing, so no rank but 0 ever holds a full copy."""
-        if not parallel.gathers_full_weights():
+        nothing, so no rank but 0 ever holds a full copy.
+
+        ``every_node``: on each node's local rank 0 instead, for pushes that only open on their own host (CUDA IPC
+        handles, tensor_sync.py). Then every replica gathers, each within its own TP and EP groups (as slime's
+        colocated update does), and local rank 0 of each node keeps the result: the gathers are all-gathers, so every
+        rank of a group sees the full tensors."""
+        if not (every_node or parallel.gathers_full_weights()):
             return None
+        keep = parallel.is_node_main() if every_node else parallel.is_main_rank()
         dtype = DTYPES[self.export_dtype]
         gathered = mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))
-        if not parallel.is_main_rank():
+        if not keep:
             for _ in gathered:
                 pass
             return None

@@ -41,6 +41,7 @@ class WeightRequest:
 
     folder: bool
     tensors: bool = False
+    every_node: bool = False  # the tensors on each node's local rank 0, which pushes them to its own servers
     probe_ids: list[int] | None = None
 
 
@@ -64,6 +65,7 @@ class StageEngine:
         self.report = None  # (stage, SyncReport) of the last push, logged once its probe is checked
         self.pending = None  # the probe of a push into servers that released their KV cache, checked by wake()
         self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
+        self.launch_stage: int | None = None  # colocated servers megamu launched: the stage whose export they loaded
 
     def sampling(self, stage: int):
         return self.cfg.sampling(stage, stop_token_ids(self.tokenizer))
@@ -77,11 +79,24 @@ class StageEngine:
             return WeightRequest(folder=False, tensors=True)
         probe = self.held_out[0].prompt_ids[:PROBE_TOKENS] if self.held_out else None
         memory = self.engine_cfg.sglang.weight_sync == "memory"
-        return WeightRequest(folder=not memory, tensors=memory, probe_ids=probe)
+        return WeightRequest(folder=not memory, tensors=memory, every_node=memory and self.pushes_per_node(),
+                             probe_ids=probe)
+
+    def pushes_per_node(self) -> bool:
+        """In-memory pushes as tensors (servers on the trainer's GPUs) on several nodes: the CUDA IPC handles open
+        only on their own host, so each node pushes to its own servers (slime's colocated update does the same). A
+        broadcast (servers on GPUs of their own, or gloo) goes from rank 0 to every node's servers in one group."""
+        from megamu.engines.sglang.tensor_sync import transport
+
+        sglang = self.engine_cfg.sglang
+        return self.spread() and transport(sglang.shares_trainer_devices, sglang.sync_backend) == "tensor"
 
     def load(self, weights: Weights, stage: int) -> None:
-        """β_k's weights: the folder the next engine starts from, or a push into the running engine (rank 0)."""
+        """β_k's weights: the folder the next engine starts from, or a push into the running engine (rank 0; each
+        node's local rank 0 for per-node pushes)."""
         self.hf_dir = weights.hf_dir or self.hf_dir  # the folder the stage's manifest names as its model
+        if self.warm and self.wants().every_node:  # the same on every rank: all take part
+            return self._push_per_node(weights, stage)
         if not self.warm or not parallel.is_main_rank():
             return
         self._resume(memory.WEIGHTS)  # the push lands in the servers' own weight memory
@@ -94,6 +109,37 @@ class StageEngine:
             self.report = (stage, report)
             if self.pending is None:
                 self._log_sync()
+
+    def _push_per_node(self, weights: Weights, stage: int) -> None:
+        """Each node's local rank 0 pushes the tensors it gathered to its own servers; then rank 0 checks that every
+        server reports the new version (and the probe) and logs one sync for all. A failure on any node raises on
+        every rank, naming the node's rank, so none waits for the others."""
+        from megamu.engines.sglang.schema import SGLangError
+        from megamu.engines.sglang.weight_sync import SyncReport
+
+        if parallel.is_main_rank():
+            self._resume(memory.WEIGHTS)  # every node's servers take their weight memory back first
+        parallel.wait_for_main_rank()
+        error, sent, seconds = "", 0, 0.0
+        if self.node is not None:
+            try:
+                r = self.node.update_weights(state_dict=weights.tensors, version=weights.version)
+                sent, seconds = r.bytes, r.seconds
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+        pushed = parallel.all_gather_object((error, sent, seconds), wait=True)
+        errors = [e for e, _, _ in pushed if e]
+        if errors:
+            raise SGLangError("the in-memory weight push failed on some nodes:\n" + "\n".join(errors))
+        if not parallel.is_main_rank():
+            return
+        probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
+        confirmed = self.engine.adopt_weights(weights.version, probe)
+        self.report = (stage, SyncReport("memory (tensor, per node)", max(s for _, _, s in pushed) + confirmed.seconds,
+                                         confirmed.version, sum(b for _, b, _ in pushed),
+                                         confirmed.probe_mean_abs_diff))
+        if self.pending is None:
+            self._log_sync()
 
     def wake(self) -> None:
         """The servers' KV cache and CUDA graphs back once the trainer has offloaded; then the push's probe (rank 0)."""
@@ -117,10 +163,9 @@ class StageEngine:
         """SGLang servers that megamu launches, on several ranks: local rank 0 of every node starts its node's
         servers on that node's GPUs once the trainer has offloaded, and rank 0 dispatches over all of them. Staged
         mode starts them each stage; colocated mode once, keeping them between refreshes, when its pushes come from
-        a folder (--weight-sync disk: every node's servers read it); in-memory pushes reach rank 0's node only."""
+        a folder (--weight-sync disk: every node's servers read it) or in memory (``pushes_per_node``)."""
         sglang = self.engine_cfg.sglang
-        pushes_reach_all = self.mode == "staged" or sglang.weight_sync == "disk"
-        return (self.engine_cfg.kind == "sglang" and not sglang.urls and pushes_reach_all
+        return (self.engine_cfg.kind == "sglang" and not sglang.urls
                 and (parallel.world_size() > 1 or sglang.router is not None))
 
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
@@ -131,6 +176,9 @@ class StageEngine:
 
             self.engine, self.node = start_sglang(str(self.hf_dir), replace(self.engine_cfg.sglang,
                                                                             dtype=self.engine_cfg.dtype))
+        if (not self.warm and self.mode == "colocated" and self.engine_cfg.kind == "sglang"
+                and not self.engine_cfg.sglang.urls):
+            self.launch_stage = stage  # restarts load its export: kept until close()
         if not parallel.is_main_rank():
             return
         if self.engine is None:
@@ -167,6 +215,12 @@ class StageEngine:
             self.released = memory.ALL
         self.warm = self.mode == "colocated"
 
+    def prune_export(self, stage: int) -> None:
+        """Delete hf/stage_k once D_k is durable (rank 0). Not the folder running servers were launched from
+        (colocated): a server restarted during a later stage loads it (then the last push); it goes at close()."""
+        if parallel.is_main_rank() and stage != self.launch_stage:
+            self.run_dir.prune_stage_export(stage)
+
     def _resume(self, *tags: str) -> None:
         todo = tuple(t for t in self.released if t in tags)
         if todo:
@@ -179,6 +233,8 @@ class StageEngine:
         for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
             engine.shutdown()
         self.engine = self.node = None
+        if self.launch_stage is not None and parallel.is_main_rank():
+            self.run_dir.prune_stage_export(self.launch_stage)
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
@@ -201,10 +257,10 @@ def train_staged(run) -> None:
         parallel.barrier()  # every rank has looked before rank 0 can write D_k: all take the same branch
         t0 = t1 = time.perf_counter()
         if not done:
-            want = engine.wants()
-            weights = policy.weights(hf_dir=run_dir.stage_export(stage) if want.folder else None,
-                                     tensors=want.tensors, probe_ids=want.probe_ids)  # 1. θ_k -> β_k (collective)
-            engine.load(weights, stage)  # colocated: the servers' weights come back and take the push
+            want = engine.wants()  # 1. θ_k -> β_k (collective); colocated: the servers' weights come back for a push
+            engine.load(policy.weights(hf_dir=run_dir.stage_export(stage) if want.folder else None,
+                                       tensors=want.tensors, every_node=want.every_node, probe_ids=want.probe_ids),
+                        stage)  # pushed tensors are dropped here, before the rollout needs their memory
             t1 = time.perf_counter()
             policy.offload()  # 2. the trainer gives the device back (§4)
             engine.wake()  # colocated: the servers' KV cache comes back
@@ -214,8 +270,8 @@ def train_staged(run) -> None:
             engine.release()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
-            if parallel.is_main_rank():
-                run_dir.prune_stage_export(stage)  # 6. D_k is durable: hf/stage_k is no longer needed
+            engine.prune_export(stage)  # 6. D_k is durable: hf/stage_k is no longer needed (unless servers launched
+            # from it: their restarts load it)
             parallel.barrier()
         t2 = time.perf_counter()
         dataset = StageDataset(run_dir.stage_rollouts(stage))

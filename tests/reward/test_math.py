@@ -51,7 +51,8 @@ def _rows(name):
 
 
 def test_gold_answers_verify_and_shuffled_do_not():
-    rows = _rows("math500.jsonl") + _rows("aime24.jsonl") + _rows("gsm8k_test.jsonl")
+    # all of MATH-500's LaTeX forms and AIME's; GSM8K's answers are plain integers, so 200 of its 1319 say as much
+    rows = _rows("math500.jsonl") + _rows("aime24.jsonl") + _rows("gsm8k_test.jsonl")[:200]
     answers = [r["answer"] for r in rows]
     gold = [f"Thus the result is $\\boxed{{{a}}}$." for a in answers]
     shuffled = answers[:]

@@ -1,6 +1,7 @@
 """A small HTTP server that speaks SGLang 0.5.23's /generate schema, backed by LocalEngine.
 
 Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
+In-memory weight updates (a broadcast group, or tensor handles) are received as SGLang's TP rank 0 receives them.
 Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
 answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
 has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
@@ -15,6 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 from megamu.engines.types import GenerateRequest, SamplingParams
+
+IN_MEMORY = ("/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
+             "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update")
 
 
 class SchemaServer:
@@ -33,10 +37,15 @@ class SchemaServer:
         self.max_running_requests: int | None = None  # reported in /server_info's internal_states when set
         self.running = 0  # sequences (samples) of /generate requests being answered now, and the most at once
         self.peak_running = 0
-        self.workers: list[str] | None = None  # set: answer /list_workers as an sglang-router with these URLs
+        # set: act as an sglang-router (0.3's worker API, GET/POST /workers, DELETE /workers/<id>) with these workers
+        # (URLs), refusing batched /generate requests as it does (422)
+        self.workers: list[str] | None = None
+        self.worker_ids: dict[str, str] = {}
         self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
         self.lock = threading.Lock()
+        self.groups: dict = {}  # in-memory weight-sync groups joined, by name
+        self.pushed: dict = {}  # every tensor received in memory, by name (the last value)
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -94,6 +103,49 @@ class SchemaServer:
         single = not batch and params[0].get("n", 1) == 1
         return results[0] if single else results
 
+    def in_memory(self, path: str, body: dict) -> dict:
+        """SGLang's in-memory weight updates, as its TP rank 0 does them: joining the trainer's broadcast group
+        (rank ``rank_offset``, the same rendezvous), receiving a flattened bucket by broadcast, or opening the
+        tensor handles of ``serialized_named_tensors[0]``; each bucket is loaded at once, as SGLang loads it."""
+        import torch
+
+        from megamu.engines.sglang.weight_sync import open_weight_group
+
+        if path == "/init_weights_update_group":
+            self.groups[body["group_name"]] = open_weight_group(
+                body["master_address"], body["master_port"], body["world_size"], body["group_name"], body["backend"],
+                timeout_s=60.0, rank=body["rank_offset"])
+        elif path == "/destroy_weights_update_group":
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.groups.pop(body["group_name"]))
+        elif path == "/update_weights_from_distributed":
+            import torch.distributed as dist
+
+            sizes = [torch.Size(s).numel() * getattr(torch, d).itemsize for s, d in zip(body["shapes"], body["dtypes"])]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            dist.broadcast(flat, group=self.groups[body["group_name"]], group_src=0)
+            parts = flat.split(sizes)
+            self._load({n: p.view(getattr(torch, d)).view(s) for n, p, d, s in
+                        zip(body["names"], parts, body["dtypes"], body["shapes"])}, body)
+        elif path == "/update_weights_from_tensor":
+            import base64
+            import pickle
+
+            import torch.multiprocessing  # noqa: F401  (registers the rebuild functions the payload names)
+
+            obj = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            flat = obj["flattened_tensor"]
+            self._load({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape).clone()
+                        for m in obj["metadata"]}, body)
+        return {"success": True, "message": "ok"}
+
+    def _load(self, tensors: dict, body: dict) -> None:
+        with self.lock:
+            self.engine.model.load_state_dict(tensors, strict=False)
+            self.pushed.update(tensors)
+            self.weight_version = body.get("weight_version") or self.weight_version
+
     def _handler(self):
         server = self
 
@@ -132,12 +184,23 @@ class SchemaServer:
                         info["max_running_requests"] = None
                         info["internal_states"] = [{"max_running_requests": server.max_running_requests}]
                     return self._reply(200, info)
-                if self.path == "/list_workers" and server.workers is not None:
-                    return self._reply(200, {"urls": server.workers})
+                if self.path == "/workers" and server.workers is not None:
+                    ids = {u: i for i, u in server.worker_ids.items()}
+                    return self._reply(200, {"workers": [{"id": ids.get(u, u), "url": u, "is_healthy": True}
+                                                         for u in server.workers]})
                 if self.path == "/model_info":
                     return self._reply(200, {"model_path": server.engine.hf_dir,
                                              "weight_version": server.weight_version})
                 self._reply(404, {"error": "not found"})
+
+            def do_DELETE(self):
+                if not self._authorized():
+                    return
+                wid = unquote(self.path.removeprefix("/workers/"))
+                with server.lock:
+                    url = server.worker_ids.pop(wid, None)
+                    server.workers = [w for w in server.workers or [] if w != url]
+                return self._reply(200 if url else 404, {"message": "ok" if url else "no such worker"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -151,12 +214,16 @@ class SchemaServer:
                         server.rids.update(rids)
                     if dup:
                         return self._reply(400, {"error": {"message": f"Duplicate request ID detected: {dup[0]}"}})
-                if self.path.startswith(("/add_worker?url=", "/remove_worker?url=")):  # sglang-router's worker API
-                    url = unquote(self.path.split("=", 1)[1])
+                if self.path == "/workers" and server.workers is not None:  # sglang-router's worker API
                     with server.lock:
-                        server.workers = [w for w in server.workers or [] if w != url]
-                        server.workers += [url] if self.path.startswith("/add") else []
-                    return self._reply(200, {"message": "ok"})
+                        wid = f"worker-{len(server.worker_ids)}"
+                        server.worker_ids[wid] = body["url"]
+                        server.workers = [w for w in server.workers if w != body["url"]] + [body["url"]]
+                    return self._reply(202, {"status": "accepted", "worker_id": wid, "url": body["url"]})
+                if self.path == "/generate" and server.workers is not None and (
+                        isinstance(body.get("rid"), list) or isinstance(body.get("sampling_params"), list)):
+                    return self._reply(422, {"error": "Failed to deserialize the JSON body: rid: invalid type: "
+                                                      "sequence, expected a string"})
                 tags, version = body.get("tags") or [], body.get("weight_version")
                 server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
                                     + (f"@{version}" if version else ""))
@@ -200,6 +267,12 @@ class SchemaServer:
                         server.engine.update_weights(body["model_path"])
                         server.weight_version = body.get("weight_version") or server.weight_version
                     return self._reply(200, {"success": True, "message": "ok"})
+                if self.path in IN_MEMORY:
+                    if "weights" in server.released and self.path.startswith("/update"):
+                        return self._reply(400, {"error": "weights are released: resume them before an update"})
+                    return self._reply(200, server.in_memory(self.path, body))
+                if self.path == "/abort_request":
+                    return self._reply(200, {"success": True})
                 self._reply(404, {"error": f"no route {self.path}"})
 
         return Handler

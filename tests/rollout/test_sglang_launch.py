@@ -144,26 +144,34 @@ def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_ll
     _assert_same_samples(*(_key(d / "run" / "rollouts" / "stage_0") for d in (tmp_path / "kill", tmp_path / "clean")))
 
 
-def test_colocated_servers_on_two_nodes_stay_up_and_take_folder_pushes(tiny_llama, tmp_path):
-    """Colocated with --weight-sync disk: each node's servers start once, serve both stages (the second after rank 0
-    pushed a new folder to every node's servers: the client refuses samples of another weight version), and are gone
-    after the run's close."""
+@pytest.mark.parametrize("sync", ["distributed", "tensor"])  # a folder push (disk) takes rank 0's path of "distributed"
+def test_colocated_servers_on_two_nodes_stay_up_and_take_every_push(tiny_llama, tmp_path, sync):
+    """Colocated: each node's servers start once, serve both stages, and are gone after the run's close. The second
+    stage comes after a push that reaches every node's servers (the client refuses samples of another weight version,
+    and both nodes' servers generate it): a broadcast from rank 0 to every node's servers (in memory, servers on GPUs
+    of their own), or each node's own push of CUDA IPC-style handles to its own servers (in memory, servers on the
+    trainer's GPUs: a node's handles open only on its host)."""
     from megamu.rollout.dataset import StageDataset
     from megamu.tiny import save_tiny_model
 
     other = str(save_tiny_model(tmp_path / "other", "llama", seed=5))
-    nodes = _two_nodes(tiny_llama, tmp_path / "run0", "colocated", other)
+    nodes = _two_nodes(tiny_llama, tmp_path / "run0", "colocated", other, sync)
     assert all(n["kept"] and n["gone"] for n in nodes)
     for stage in (0, 1):
         dataset = StageDataset(tmp_path / "run0" / "run" / "rollouts" / f"stage_{stage}")
         servers = dataset.manifest.extra["servers"]
         assert len(servers) == 2 and all(s["requests"] > 0 for s in servers)
     assert {s.policy_version for s in dataset.samples()} == {1}
+    # who pushed: each node's own engine (per-node pushes), or rank 0's dispatcher over all (the nodes' engines still
+    # know their servers' launch version, "default" on the schema server)
+    assert [n["node_version"] for n in nodes] == (["1", "1"] if sync == "tensor" else ["default", "default"])
 
 
 def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_path):
-    """--sglang-router: the launched server joins the running router (its /add_worker), requests go through the router,
-    and the server leaves it before it stops. The stand-in router answers itself and lists its workers."""
+    """--sglang-router: the launched server joins the running router (POST /workers), requests go through the router
+    one sample each (sglang-router refuses batches), weight syncs go to the server itself, and the server leaves the
+    router (DELETE /workers/<id>) before it stops. The stand-in router answers itself and lists its workers; the real
+    one: tests/rollout/test_sglang_router.py."""
     from megamu.engines.local import LocalEngine
     from megamu.engines.sglang.nodes import start_sglang
     from tests.rollout.schema_server import SchemaServer
@@ -178,8 +186,10 @@ def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_pa
         try:
             assert dispatcher.urls == [router.url] and router.workers == node.urls
             assert dispatcher.routers == [router.url] and dispatcher.capacities == [3]  # the sum over its workers
-            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2))])
-            assert len(out) == 2 and len(router.log) == 1
+            out = dispatcher.generate([GenerateRequest(0, [5, 6], SamplingParams(max_new_tokens=3, n=2, seed=1))])
+            assert len(out) == 2 and [type(e["body"]["rid"]) for e in router.log] == [str, str]
+            report = dispatcher.update_weights(hf_dir=tiny_llama, version=5)  # to the worker, checked there
+            assert report.version == "5" and not [c for c in router.calls if "weights" in c]
         finally:
             dispatcher.shutdown()
             assert router.workers == []  # left the router before its server stops

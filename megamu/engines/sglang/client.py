@@ -19,6 +19,7 @@ its missing shards. ``SGLangEngine.deterministic`` says which.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -77,7 +78,9 @@ class SGLangEngine:
         self._pool = None
         self._transport = None
         self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
-        self._router_workers: list[tuple[str, str]] = []  # (router, server) pairs this engine added (nodes.py)
+        self._sync_stale, self._sync_count = False, 0  # a server died since it was made; groups made so far
+        self.restore_tensors = None  # host copy of the last in-memory push, for restarted servers (weight_sync.py)
+        self._router_workers: list[tuple[str, str]] = []  # (router, worker id) pairs this engine added (nodes.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         self.hf_dir, self.log_dir, logs = hf_dir, None, []
@@ -94,6 +97,8 @@ class SGLangEngine:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
         self._wait_healthy(logs, model_path=None if cfg.urls else str(hf_dir))
+        # where weight syncs, memory calls and probes go: the servers themselves, also behind a router (nodes.py)
+        self.control_urls = list(self.urls)
         if cfg.deterministic and self.deterministic is not True:
             self.shutdown()
             raise SGLangError("deterministic rollouts were asked for, but the servers at "
@@ -178,10 +183,28 @@ class SGLangEngine:
             raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
         self.weight_version = versions.pop() if versions else None
 
-    def join_router(self, router: str, url: str) -> None:
-        """Add server ``url`` to sglang-router ``router``'s workers until this engine shuts down."""
-        self._call(router, f"/add_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=60.0)
-        self._router_workers.append((router, url))
+    def join_router(self, router: str, url: str, timeout_s: float = 60.0) -> None:
+        """Add server ``url`` to sglang-router ``router``'s workers until this engine shuts down, and wait until the
+        router lists it healthy (sglang-router >= 0.3: ``POST /workers`` queues the addition, with the server's API
+        key for the router's own calls to it; ``DELETE /workers/<id>`` at shutdown)."""
+        try:
+            added = self._call(router, "/workers", {"url": url, "api_key": self.api_key}, timeout=60.0) or {}
+        except SGLangError as e:
+            if e.status in (404, 405):
+                raise SGLangError(f"{router} has no /workers API: --sglang-router needs sglang-router >= 0.3 "
+                                  "(POST /workers, GET /workers, DELETE /workers/<id>)") from e
+            raise
+        deadline = time.monotonic() + timeout_s
+        while True:
+            listed = (self._call(router, "/workers", None, timeout=30.0) or {}).get("workers") or []
+            worker = next((w for w in listed if str(w.get("url", "")).rstrip("/") == url), None)
+            if worker is not None and worker.get("is_healthy", True):
+                break
+            if time.monotonic() > deadline:
+                raise SGLangError(f"the router {router} did not list {url} as a healthy worker within {timeout_s:.0f}s "
+                                  f"(it lists {[w.get('url') for w in listed]})")
+            time.sleep(0.2)
+        self._router_workers.append((router, str(added.get("worker_id") or worker.get("id"))))
 
     def refresh_capacities(self) -> None:
         """Ask the servers (a router: its workers) their capacities again."""
@@ -190,9 +213,10 @@ class SGLangEngine:
         self._health.dispatcher.capacities = [OVERSUBSCRIPTION * c for c in self.capacities]
 
     def shutdown(self) -> None:
-        for router, url in getattr(self, "_router_workers", []):  # before the servers stop: no request goes there
+        for router, worker in getattr(self, "_router_workers", []):  # before the servers stop: no request goes there
             try:
-                self._call(router, f"/remove_worker?url={urllib.parse.quote(url, safe='')}", {}, timeout=30.0)
+                self._call(router, f"/workers/{urllib.parse.quote(worker, safe='')}", None, timeout=30.0,
+                           method="DELETE")
             except (SGLangError, OSError, http.client.HTTPException):
                 pass  # the router drops a worker that stopped answering anyway
         self._router_workers = []
@@ -214,12 +238,13 @@ class SGLangEngine:
         return [p.pid for p in self._procs]
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
-    def _call(self, url: str, path: str, body: dict | None, timeout: float):
+    def _call(self, url: str, path: str, body: dict | None, timeout: float, method: str | None = None):
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url + path, data=data, headers=headers, method="GET" if body is None else "POST")
+        req = urllib.request.Request(url + path, data=data, headers=headers,
+                                     method=method or ("GET" if body is None else "POST"))
         try:
             with _OPENER.open(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -228,7 +253,12 @@ class SGLangEngine:
             if e.code >= 500:
                 raise ConnectionError(f"{url}{path}: HTTP {e.code}: {detail}") from e
             raise SGLangError(f"{url}{path}: HTTP {e.code}: {detail}", status=e.code) from e
-        return json.loads(raw) if raw.strip() else None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # a plain-text answer (sglang-router's /health: "OK")
+            return raw.decode(errors="replace")
 
     def _post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
         """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.
@@ -258,11 +288,13 @@ class SGLangEngine:
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _post_all(self, path: str, body: dict, what: str) -> list:
-        """The same request to every server at once (weight syncs); raises if any says it failed."""
-        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in self.urls]
+    def _post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None) -> list:
+        """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
+        failed. A router's workers are reached directly: weight syncs are not routed."""
+        urls = self.control_urls if urls is None else urls
+        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in urls]
         outs = [f.result() for f in futures]
-        for url, out in zip(self.urls, outs):
+        for url, out in zip(urls, outs):
             if isinstance(out, dict) and out.get("success") is False:
                 raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
         return outs
@@ -279,11 +311,16 @@ class SGLangEngine:
         # The group goes as a batch with one sampling_seed per sample, never as n copies of one request: those would
         # share one seed, and a server that honours seeds would return n identical samples (no group variance).
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
+        params = [sampling_payload(sp, sample_seed(seed, req.prompt_id, j)) for j in range(sp.n)]
         body = {"input_ids": [req.prompt_ids] * sp.n, "rid": [f"{rid}-{j}" for j in range(sp.n)],
-                "sampling_params": [sampling_payload(sp, sample_seed(seed, req.prompt_id, j)) for j in range(sp.n)],
-                "return_logprob": True, "logprob_start_len": -1, "stream": False}
+                "sampling_params": params, "return_logprob": True, "logprob_start_len": -1, "stream": False}
         out = []
-        if sp.n > 0:  # to the least busy live server with room; a dead server's requests move on (health.py)
+        if sp.n > 0 and self.routers:  # sglang-router takes one sample per request (a rid string, one map of
+            # sampling params; a batch is refused with 422): each goes on its own, placed by the router
+            out = await asyncio.gather(*(self._health.request(
+                "/generate", {**body, "input_ids": req.prompt_ids, "rid": f"{rid}-{j}", "sampling_params": p}, 1, what)
+                for j, p in enumerate(params)))
+        elif sp.n > 0:  # to the least busy live server with room; a dead server's requests move on (health.py)
             out = await self._health.request("/generate", body, sp.n, what)
         results = out if isinstance(out, list) else [out]
         if len(results) != sp.n:
@@ -352,3 +389,16 @@ class SGLangEngine:
         from megamu.engines.sglang.weight_sync import sync_weights
 
         return sync_weights(self, hf_dir, state_dict, version, probe)
+
+    def adopt_weights(self, version, probe=None):
+        """Weights that each node pushed to its own servers: every server must report ``version`` (it is then
+        checked on every sample) and match the probe; returns a SyncReport (no bytes: others sent them)."""
+        from megamu.engines.sglang.weight_sync import confirm_weights
+
+        return confirm_weights(self, version, probe)
+
+    def restore_weights(self, url: str) -> None:
+        """Server ``url`` (back from a restart) gets the weights of this engine's last sync, if it serves others."""
+        from megamu.engines.sglang.weight_sync import restore_weights
+
+        restore_weights(self, url)

@@ -41,20 +41,21 @@ def server_capacity(info: dict | None) -> int | None:
 
 def server_capacities(urls: list[str], infos: list[dict], override: int | None,
                       get: Callable[[str, str], Any]) -> tuple[list[int], list[str]]:
-    """Each URL's capacity in sequences, and the URLs that are sglang-routers (they answer /list_workers with their
-    workers' URLs; an SGLang server answers 404). A server's capacity is ``override``, else its /server_info's,
-    else the default; a router's is the sum over its workers, each asked directly. ``get(url, path)`` returns the
-    JSON answer, or None when there is none."""
+    """Each URL's capacity in sequences, and the URLs that are sglang-routers (they answer GET /workers with their
+    workers, sglang-router >= 0.3; an SGLang server answers 404). A server's capacity is ``override``, else its
+    /server_info's, else the default; a router's is the sum over its workers, each asked directly. ``get(url,
+    path)`` returns the JSON answer, or None when there is none."""
     capacity = lambda info: override or server_capacity(info) or DEFAULT_SERVER_CONCURRENCY
     out, routers = [], []
     for url, info in zip(urls, infos):
-        listed = get(url, "/list_workers")
-        workers = listed.get("urls") if isinstance(listed, dict) else None
+        listed = get(url, "/workers")
+        workers = listed.get("workers") if isinstance(listed, dict) else None
         if not isinstance(workers, list):
             out.append(capacity(info))
             continue
         routers.append(url)
-        out.append(sum(capacity(get(str(w).rstrip("/"), "/server_info")) for w in workers) or capacity(None))
+        out.append(sum(capacity(get(str(w.get("url", "")).rstrip("/"), "/server_info")) for w in workers
+                       if isinstance(w, dict)) or capacity(None))
     return out, routers
 
 

@@ -208,7 +208,7 @@ class Supervisor:
         if status >= 500 or st.alive or self.fatal is not None:
             return
         try:  # restarted from its launch folder, it may hold older weights than this engine pushed since
-            await asyncio.get_running_loop().run_in_executor(None, self._restore_weights, st.url)
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.restore_weights, st.url)
         except (SGLangError, OSError, http.client.HTTPException, ValueError) as e:
             print(f"[sglang] server {st.url} answers again but cannot take requests: {e}", flush=True)
             return
@@ -245,10 +245,13 @@ class Supervisor:
         if not st.alive:
             return
         st.alive, st.misses = False, 0
+        self.engine._sync_stale = True  # its side of an in-memory sync group is gone, or will be after a restart
         self.dispatcher.set_alive(i, False)
         moved = list(st.inflight)
         for task in moved:
             task.cancel()
+        if st.proc is None and moved:  # not ours to kill, and maybe only slow: it drops what it still runs
+            threading.Thread(target=self._abort, args=(st.url,), daemon=True).start()
         self.events.append({"event": "dead", "url": st.url, "why": why, "time": time.time(), "moved": len(moved)})
         print(f"[sglang] server {st.url} is dead: {why}; its {len(moved)} request(s) in flight go to the live "
               "servers", flush=True)
@@ -277,12 +280,22 @@ class Supervisor:
             for task in list(s.inflight):
                 task.cancel()
 
+    def _abort(self, url: str) -> None:
+        """Best effort: a server declared dead that still runs its requests (moved elsewhere) stops them, so a slow
+        server is not kept busier with work whose answers nobody reads (SGLang's /abort_request, abort_all)."""
+        try:
+            self.engine._call(url, "/abort_request", {"abort_all": True}, timeout=self.cfg.probe_timeout_s)
+            self.events.append({"event": "aborted", "url": url, "time": time.time()})
+        except (SGLangError, OSError, http.client.HTTPException, ValueError):
+            pass  # dead indeed, or hung: nothing to stop, or nothing that listens
+
     # ---- restarts ---------------------------------------------------------------------------------------------
     def _weights_restorable(self) -> bool:
-        """A restarted server loads the launch folder: right if no sync came since, or the last came from a folder
-        (pushed again); after an in-memory push there is no folder to load, so the server is not restarted."""
+        """A restarted server loads the launch folder: right if no sync came since, or else the last sync's weights
+        are pushed again, from its folder or from the host copy of an in-memory push (weight_sync.py)."""
         engine = self.engine
-        return engine.weight_version == engine.launch_version or engine.weights_folder is not None
+        return (engine.weight_version == engine.launch_version or engine.weights_folder is not None
+                or engine.restore_tensors is not None)
 
     def _restart(self, i: int) -> float:
         """Stop what is left of server ``i``, start it again, wait for /health, restore the weights; seconds."""
@@ -296,22 +309,8 @@ class Supervisor:
             engine._procs[i] = proc  # stopped with the others at shutdown
             st.proc, st.log = proc, log
         wait_for_servers(engine._call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
-        self._restore_weights(st.url)
+        engine.restore_weights(st.url)  # samples of other weights than the last sync's would be refused
         return time.monotonic() - t0
-
-    def _restore_weights(self, url: str) -> None:
-        """Give server ``url`` the weights the engine's last sync pushed, when it serves others (a restart loads the
-        launch folder); samples of other weights would be refused."""
-        engine = self.engine
-        served = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
-        if engine.weight_version is None or served == str(engine.weight_version):
-            return
-        if engine.weights_folder is None:
-            raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
-                              "memory: there is no folder to load it from")
-        engine._post_with_retries([url], "/update_weights_from_disk",
-                                  {"model_path": engine.weights_folder, "flush_cache": True,
-                                   "weight_version": engine.weight_version}, f"restoring the weights of {url}")
 
     def _restarted(self, i: int, future) -> None:
         st = self.servers[i]

@@ -68,7 +68,7 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
 
 def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
     """Rank 0's engine when ``cfg.router`` names a running sglang-router: the launched servers join it
-    (``POST /add_worker?url=``, sglang-router's worker API) and leave it when the engine shuts down, before the
+    (``POST /workers``, sglang-router >= 0.3) and leave it when the engine shuts down, before the
     servers stop; requests go through the router, which places them."""
     router = cfg.router.rstrip("/")
     engine = None
@@ -76,6 +76,8 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
         engine = SGLangEngine(None, replace(cfg, urls=[router], router=None))
         for url in urls:
             engine.join_router(router, url)
+        engine.control_urls = list(urls)  # weight syncs, memory calls and probes go to the servers, not the router
+        engine._read_limits([engine._check_server(u, None) for u in urls], None)  # the servers' model, not the router's
         engine.refresh_capacities()  # the router's capacity: the sum of its workers', now ours
     except BaseException:
         if engine is not None:

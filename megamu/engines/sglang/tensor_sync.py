@@ -92,28 +92,30 @@ def serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.
     return base64.b64encode(buf.getvalue()).decode(), flat
 
 
-def send_tensors(engine, state_dict: dict[str, torch.Tensor], version: str) -> int:
-    """Push ``state_dict`` bucket by bucket to every server inside one weight-update session; returns bytes sent.
-    Each server TP rank gets its own serialization (a CUDA IPC handle is reference-counted per consumer)."""
+def send_tensors(engine, state_dict: dict[str, torch.Tensor], version: str, urls: list[str] | None = None) -> int:
+    """Push ``state_dict`` bucket by bucket to the servers ``urls`` (default: all) inside one weight-update session;
+    returns bytes sent. Each server TP rank gets its own serialization (a CUDA IPC handle is reference-counted per
+    consumer). The handles open only on this host: each node pushes to its own servers (megamu.loop.staged)."""
     cfg, sent = engine.config, 0
+    urls = list(urls) if urls is not None else engine.control_urls
     groups = buckets(state_dict, int(cfg.weight_bucket_mb * 2**20))
-    engine._post_all("/begin_weight_update", {}, "begin weight update")
+    engine._post_all("/begin_weight_update", {}, "begin weight update", urls)
     try:
         for k, names in enumerate(groups):
             last = k == len(groups) - 1
             named = [(n, state_dict[n]) for n in names]
-            payloads = [[serialize_bucket(named) for _ in range(cfg.tp_size)] for _ in engine.urls]
+            payloads = [[serialize_bucket(named) for _ in range(cfg.tp_size)] for _ in urls]
             futures = [engine._pool.submit(
                 engine._post_with_retries, [url], "/update_weights_from_tensor",
                 {"serialized_named_tensors": [p for p, _ in ranks], "load_format": "flattened_bucket",
                  "flush_cache": last, "weight_version": version if last else None},
-                f"tensor weight update on {url}") for url, ranks in zip(engine.urls, payloads)]
-            for url, f in zip(engine.urls, futures):
+                f"tensor weight update on {url}") for url, ranks in zip(urls, payloads)]
+            for url, f in zip(urls, futures):
                 out = f.result()  # the server has read the handles: ``payloads`` may now let go of the tensors
                 if isinstance(out, dict) and out.get("success") is False:
                     raise RuntimeError(f"{url}/update_weights_from_tensor failed: {out.get('message')}")
             del payloads
             sent += sum(t.numel() * t.element_size() for _, t in named)
     finally:
-        engine._post_all("/end_weight_update", {}, "end weight update")
+        engine._post_all("/end_weight_update", {}, "end weight update", urls)
     return sent

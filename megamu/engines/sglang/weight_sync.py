@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import buckets, flatten, send_tensors, transport
 from megamu.net import free_port
 from megamu.weights import LogprobProbe
@@ -110,15 +111,19 @@ def compare_probe(probe: LogprobProbe, served: list[float], what: str) -> float:
 
 
 def open_weight_group(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
-                      timeout_s: float):
-    """Rank 0 of the weight-sync group; blocks until every server rank has joined (call it while the
-    /init_weights_update_group requests are in flight)."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+                      timeout_s: float, rank: int = 0):
+    """Rank ``rank`` (this process: 0) of the weight-sync group; blocks until every rank has joined (call it while
+    the /init_weights_update_group requests are in flight).
+
+    The store is made here, not by ``torch.distributed.rendezvous``: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    rendezvous never starts a store on rank 0 but connects to the given port as a client, so trainer and servers would
+    all wait for a store nobody serves. The servers' side (SGLang's ``init_custom_process_group``, run without
+    torchrun's variables: launch.server_env) connects to this one with the same key prefix."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    store = TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -131,45 +136,34 @@ def broadcast(pg, tensor: torch.Tensor) -> None:
     dist.broadcast(tensor, group=pg, group_src=0)
 
 
-@dataclass
-class SyncReport:
-    """One weight sync, for the metrics."""
-
-    mode: str  # "disk" | "memory"
-    seconds: float
-    version: str
-    bytes: int = 0  # sent in memory
-    probe_mean_abs_diff: float | None = None
-
-
 class WeightGroup:
-    """The process group of in-memory syncs: this process is rank 0, each server's TP workers follow."""
+    """The process group of in-memory syncs: this process is rank 0, the TP workers of ``urls`` follow."""
 
-    def __init__(self, engine, group_name: str):
+    def __init__(self, engine, group_name: str, urls: list[str]):
         cfg = engine.config
-        self.engine, self.group_name = engine, group_name
+        self.engine, self.group_name, self.urls = engine, group_name, list(urls)
         tp = cfg.tp_size
-        world = 1 + tp * len(engine.urls)
+        world = 1 + tp * len(self.urls)
         port = free_port(cfg.sync_master_address)
         futures = [engine._pool.submit(engine._post_with_retries, [url], "/init_weights_update_group",
                                        dict(master_address=cfg.sync_master_address, master_port=port,
                                             rank_offset=1 + i * tp, world_size=world, group_name=group_name,
                                             backend=cfg.sync_backend), f"weight-sync group on {url}")
-                   for i, url in enumerate(engine.urls)]
+                   for i, url in enumerate(self.urls)]
         try:
             self.pg = open_weight_group(cfg.sync_master_address, port, world, group_name, cfg.sync_backend,
                                         timeout_s=min(cfg.request_timeout_s, 600.0))
         finally:
             outs = [f.result() for f in futures]
-        for url, out in zip(engine.urls, outs):
+        for url, out in zip(self.urls, outs):
             if isinstance(out, dict) and out.get("success") is False:
                 raise RuntimeError(f"{url}/init_weights_update_group failed: {out.get('message')}")
 
     def send(self, state_dict: dict, version: str) -> int:
         """Broadcast ``state_dict`` bucket by bucket inside one begin/end weight-update session; returns bytes."""
-        engine, sent = self.engine, 0
+        engine, sent, urls = self.engine, 0, self.urls
         groups = buckets(state_dict, int(engine.config.weight_bucket_mb * 2**20))
-        engine._post_all("/begin_weight_update", {}, "begin weight update")
+        engine._post_all("/begin_weight_update", {}, "begin weight update", urls)
         try:
             for k, names in enumerate(groups):
                 last = k == len(groups) - 1
@@ -178,22 +172,22 @@ class WeightGroup:
                             load_format="flattened_bucket", flush_cache=last,
                             weight_version=version if last else None)
                 futures = [engine._pool.submit(engine._post_with_retries, [u], "/update_weights_from_distributed",
-                                               body, f"in-memory weight update on {u}") for u in engine.urls]
+                                               body, f"in-memory weight update on {u}") for u in urls]
                 flat = flatten([state_dict[n] for n in names])
                 broadcast(self.pg, flat)
-                for url, f in zip(engine.urls, futures):
+                for url, f in zip(urls, futures):
                     out = f.result()
                     if isinstance(out, dict) and out.get("success") is False:
                         raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
                 sent += flat.numel()
         finally:  # close the session even after a failed bucket (see sync_weights for what that leaves)
-            engine._post_all("/end_weight_update", {}, "end weight update")
+            engine._post_all("/end_weight_update", {}, "end weight update", urls)
         return sent
 
     def close(self) -> None:
         import torch.distributed as dist
 
-        for url in self.engine.urls:
+        for url in self.urls:
             try:
                 self.engine._call(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=30)
             except Exception:  # the server may be gone already; its side of the group goes with it
@@ -202,6 +196,56 @@ class WeightGroup:
             dist.destroy_process_group(self.pg)
         except Exception:
             pass
+
+
+def push_tensors(engine, state_dict: dict, version: str, urls: list[str] | None = None) -> tuple[int, str]:
+    """Send ``state_dict`` to the servers ``urls`` (default: all of the engine's) by the transport their placement
+    takes (tensor_sync.transport); (bytes sent, the sync's mode). A broadcast to all servers reuses one group, made
+    again after a server died (its side of the group went with it); one to a few servers (a restarted one) has a
+    group of its own for that push."""
+    if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
+        return send_tensors(engine, state_dict, version, urls), "memory (tensor)"
+    if urls is not None and list(urls) != engine.control_urls:
+        engine._sync_count += 1
+        group = WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", urls)
+        try:
+            return group.send(state_dict, version), "memory"
+        finally:
+            group.close()
+    if engine._sync is not None and engine._sync_stale:
+        engine._sync.close()
+        engine._sync = None
+    if engine._sync is None:
+        engine._sync_count += 1
+        engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", engine.control_urls)
+        engine._sync_stale = False
+    return engine._sync.send(state_dict, version), "memory"
+
+
+def host_copy(state_dict: dict, into: dict | None = None) -> dict:
+    """The pushed weights in host memory, for a restarted server (whose launch folder holds older weights). Reuses
+    ``into`` when it holds the same tensors (no allocation per push); from a GPU into pinned memory, asynchronously,
+    one synchronisation at the end."""
+    same = into is not None and into.keys() == state_dict.keys() and all(
+        into[n].shape == t.shape and into[n].dtype == t.dtype for n, t in state_dict.items())
+    out = into if same else {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                             for n, t in state_dict.items()}
+    for n, t in state_dict.items():
+        out[n].copy_(t.detach(), non_blocking=t.is_cuda)
+    if any(t.is_cuda for t in state_dict.values()):
+        torch.cuda.synchronize()
+    return out
+
+
+@dataclass
+class SyncReport:
+    """One weight sync, for the metrics."""
+
+    mode: str  # "disk" | "memory" | "memory (tensor)"
+    seconds: float
+    version: str
+    bytes: int = 0  # sent in memory
+    probe_mean_abs_diff: float | None = None
 
 
 def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None) -> SyncReport:
@@ -223,25 +267,34 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
                          {"model_path": str(hf_dir), "flush_cache": True, "weight_version": version},
                          f"weight update from {hf_dir}")
         engine.layout, sent, mode = new, 0, "disk"
+        engine.restore_tensors = None
     else:
         if running is None:
             raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
         new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
         check_layout(new, running, engine.server_dtype, "in-memory weights")
         try:
-            if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
-                sent, mode = send_tensors(engine, state_dict, version), "memory (tensor)"
-            else:
-                if engine._sync is None:
-                    engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}")
-                sent, mode = engine._sync.send(state_dict, version), "memory"
+            sent, mode = push_tensors(engine, state_dict, version)
         except BaseException:
             # The servers may hold part of the new weights under the old version: expect a version no server
             # reports, so every sample generated before a successful sync is refused.
             engine.weight_version = f"{version} (incomplete sync)"
             raise
+        # a restarted server loads its launch folder, then these (health.py); none kept when none is restarted
+        engine.restore_tensors = (host_copy(state_dict, engine.restore_tensors) if engine.config.max_restarts
+                                  else None)
+    report = confirm_weights(engine, version, probe, folder=hf_dir)
+    return SyncReport(mode, time.monotonic() - t0, version, sent, report.probe_mean_abs_diff)
+
+
+def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) -> SyncReport:
+    """Every server reports weight version ``version`` (else RuntimeError), which the engine then expects on every
+    sample, and serves the probe's log-probs. Also what rank 0 runs after each node pushed to its own servers."""
+    import time
+
+    t0, version = time.monotonic(), str(version)
     try:
-        infos = [engine._call(u, "/model_info", None, timeout=60.0) or {} for u in engine.urls]
+        infos = [engine._call(u, "/model_info", None, timeout=60.0) or {} for u in engine.control_urls]
     except RuntimeError as e:  # a router may not forward /model_info; the samples' versions are still checked
         if getattr(e, "status", None) != 404:
             raise
@@ -250,13 +303,33 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
     if got != {version}:
         raise RuntimeError(f"after the sync the servers report weight version(s) {sorted(got)}, not {version}")
     engine.weight_version = version
-    engine.weights_folder = str(hf_dir) if hf_dir is not None else None  # what a restarted server loads (health.py)
+    engine.weights_folder = str(folder) if folder is not None else None  # what a restarted server loads (health.py)
     probe_diff = check_probe(engine, probe) if probe is not None else None
-    return SyncReport(mode, time.monotonic() - t0, version, sent, probe_diff)
+    return SyncReport("confirm", time.monotonic() - t0, version, 0, probe_diff)
+
+
+def restore_weights(engine, url: str) -> None:
+    """Give server ``url`` the weights of the engine's last sync when it serves others (a restart loads the launch
+    folder): the folder of the last disk sync, or the host copy of the last in-memory push."""
+    served = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
+    if engine.weight_version is None or served == str(engine.weight_version):
+        return
+    if engine.weights_folder is not None:
+        engine._post_with_retries([url], "/update_weights_from_disk",
+                                  {"model_path": engine.weights_folder, "flush_cache": True,
+                                   "weight_version": engine.weight_version}, f"restoring the weights of {url}")
+    elif engine.restore_tensors is not None:
+        push_tensors(engine, engine.restore_tensors, str(engine.weight_version), urls=[url])
+    else:
+        raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
+                          "memory by another process: that process restores it")
+    after = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
+    if after != str(engine.weight_version):
+        raise SGLangError(f"after restoring its weights it reports version {after}, not {engine.weight_version}")
 
 
 def check_probe(engine, probe: LogprobProbe) -> float:
     """The worst server's mean |log-prob difference| on the probe; raises WeightMismatch beyond its tolerance. The
     servers must hold their KV cache (a colocated server that released it checks after taking it back)."""
     return max(compare_probe(probe, engine.teacher_forced_logprobs(probe.token_ids, url), f"server {url}")
-               for url in engine.urls)
+               for url in engine.control_urls)

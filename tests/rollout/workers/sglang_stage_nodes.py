@@ -2,9 +2,11 @@
 a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
 its own servers before going on.
 
-argv: model_dir record_dir port_base [kill | colocated model_dir_2]. With "kill", node 1 SIGKILLs its server once
-rank 0 has written the stage's first shard. With "colocated", two colocated stages on the same servers, the second
-after a push of model_dir_2 from its folder. Writes record_dir/node<GROUP_RANK>.json."""
+argv: model_dir record_dir port_base [kill | colocated model_dir_2 [disk | distributed | tensor]]. With "kill", node
+1 SIGKILLs its server once rank 0 has written the stage's first shard. With "colocated", two colocated stages on the
+same servers, the second after a push of model_dir_2: from its folder (disk), or in memory, broadcast by rank 0 to
+every node's servers (distributed) or pushed by each node to its own (tensor: the transport of servers on the
+trainer's GPUs). Writes record_dir/node<GROUP_RANK>.json."""
 
 import json
 import os
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from megamu import parallel
 from megamu.engines import EngineConfig
+from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.loop.staged import StageEngine
 from megamu.metrics import MetricsLogger
@@ -35,22 +38,28 @@ def kill_after_first_shard(first_shard: Path, pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def colocated(stages: StageEngine, model_dir: str, model_dir_2: str, record: str, node: int, tok) -> None:
+def colocated(stages: StageEngine, model_dir: str, model_dir_2: str, record: str, node: int, tok, sync: str) -> None:
     stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
     stages.generate(0, make_prompts(tok), 0)
     pids, urls = stages.node.pids, stages.node.urls
     stages.release()  # the servers stay up
-    stages.load(Weights(version=1, hf_dir=Path(model_dir_2)), 1)  # rank 0 pushes the folder to every node's servers
+    want = stages.wants()
+    assert want.folder == (sync == "disk") and want.every_node == (sync == "tensor"), want
+    holds = parallel.is_node_main() if want.every_node else dist.get_rank() == 0  # as Policy.engine_weights
+    tensors = ({k: v.clone() for k, v in LocalEngine(model_dir_2).model.state_dict().items()}
+               if want.tensors and holds else None)
+    stages.load(Weights(version=1, hf_dir=Path(model_dir_2) if want.folder else None, tensors=tensors), 1)
+    node_version = stages.node.weight_version
     stages.generate(1, make_prompts(tok), 1)
     kept = stages.node.pids == pids
     stages.release()
     stages.close()  # after rank 0 is done with every node's servers
     gone = not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     Path(record, f"node{node}.json").write_text(json.dumps({"node": node, "rank": dist.get_rank(), "kept": kept,
-                                                            "gone": gone, "urls": urls}))
+                                                            "gone": gone, "urls": urls, "node_version": node_version}))
 
 
-def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: str | None) -> None:
+def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: str | None, sync: str) -> None:
     dist.init_process_group("gloo")
     parallel._init_wait_group()  # the CPU-side group init_distributed makes for the trainer
     node = int(os.environ["GROUP_RANK"])
@@ -58,7 +67,9 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
     cfg = SGLangConfig(server_python=sys.executable, port_base=port_base + 10 * node, startup_timeout_s=120,
                        log_dir=f"{record}/logs{node}", backoff_s=0.05, server_concurrency=1, probe_period_s=0.5,
                        server_env={"PYTHONPATH": f"{repo}/tests/rollout/fake_sglang", "FAKE_SGLANG_REPO": repo,
-                                   "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"})
+                                   "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"},
+                       weight_sync="disk" if sync == "disk" else "memory",
+                       **(dict(shares_trainer_devices=True, sync_backend="nccl") if sync == "tensor" else {}))
     rollout = RolloutConfig(n_samples=2, max_new_tokens=8, groups_per_shard=2,
                             reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
     tok = build_char_tokenizer()
@@ -67,7 +78,7 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
                          metrics=MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0),
                          held_out=[])
     if mode == "colocated":
-        colocated(stages, model_dir, model_dir_2, record, node, tok)
+        colocated(stages, model_dir, model_dir_2, record, node, tok, sync)
         dist.destroy_process_group()
         return
     kill = mode == "kill"
@@ -95,4 +106,5 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), (sys.argv[4:] or [""])[0], (sys.argv[5:] or [None])[0])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), (sys.argv[4:] or [""])[0], (sys.argv[5:] or [None])[0],
+         (sys.argv[6:] or ["disk"])[0])

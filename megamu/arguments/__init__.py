@@ -6,33 +6,33 @@ With no flags at all the program runs the embedded default: the CPU demo (SmolLM
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import shlex
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
+from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
+    FLAG_OF_FIELD,
+    _config,
+    _default,
+    _error,
+    add_engine_arguments,
+    add_reward_arguments,
+    answer_key,
+    engine_config,
+    reward_config,
+)
 from megamu.data.stage_prompts import PromptsConfig
-from megamu.device import CPU, Device
-from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
-from megamu.errors import ConfigError
+from megamu.device import Device
 from megamu.loop.async_ import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.policy import PolicyConfig
-from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
 from megamu.run_dir import RunDir
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
-
-
-def _default(config, name: str):
-    """A flag's default is its config field's: written once, in the dataclass."""
-    f = config.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,173 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
     g.add_argument("--eval-prompts", type=int, default=100, help="held-out greedy evaluation at start and end (0: off)")
     return p
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's flags, one spelling for the trainer and tools/evaluate.py (read back by ``engine_config``)."""
-    g = p.add_argument_group("rollout engine")
-    g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=_default(EngineConfig, "kind"))
-    g.add_argument("--rollout-batch-size", type=int, default=_default(EngineConfig, "max_batch_size"),
-                   help="local engine: sequences decoded together")
-    g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
-                        "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
-    g.add_argument("--sglang-url", default=None, help="URL[,URL...] of running servers or a router")
-    g.add_argument("--sglang-host", default=_default(SGLangConfig, "host"),
-                   help="address the servers megamu launches listen on; on several nodes one the others reach, "
-                        "e.g. 0.0.0.0 (they are then named by this node's host name)")
-    g.add_argument("--sglang-router", default=None,
-                   help="URL of a running sglang-router: the servers megamu launches on every node join it for each "
-                        "stage and leave it at the stage's end, and requests go through it")
-    g.add_argument("--sglang-url-timeout", type=float, default=_default(SGLangConfig, "url_timeout_s"),
-                   help="seconds the given --sglang-url servers have to answer /health at start: the run starts on "
-                        "those that do, naming the others, and fails after this bound when none does, naming each "
-                        "URL with its error (servers megamu launches have --sglang-startup-timeout)")
-    g.add_argument("--sglang-startup-timeout", type=float, default=_default(SGLangConfig, "startup_timeout_s"),
-                   help="seconds a server megamu launches (or restarts) has to load its model and answer /health")
-    g.add_argument("--rollout-probe-period", type=float, default=_default(SGLangConfig, "probe_period_s"),
-                   help="seconds between /health_generate probes of each SGLang server while requests are out")
-    g.add_argument("--rollout-probe-timeout", type=float, default=_default(SGLangConfig, "probe_timeout_s"),
-                   help="seconds a probe waits for its answer")
-    g.add_argument("--rollout-probe-misses", type=int, default=_default(SGLangConfig, "probe_misses"),
-                   help="probes missed in a row that make a server dead (as do its exit and a refused port): a hung "
-                        "server is found within misses x (period + timeout), 45 s by default; its requests go to "
-                        "the live servers with the same seeds")
-    g.add_argument("--rollout-max-restarts", type=int, default=_default(SGLangConfig, "max_restarts"),
-                   help="restarts per stage of the dead servers megamu launched; beyond it the run stops, naming the "
-                        "server, its exit status and log (a rerun resumes at the first missing shard)")
-    g.add_argument("--sglang-num-servers", type=int, default=_default(SGLangConfig, "num_servers"))
-    g.add_argument("--sglang-tp-size", type=int, default=_default(SGLangConfig, "tp_size"))
-    g.add_argument("--sglang-server-args", default="",
-                   help='extra launch_server flags, e.g. "--mem-fraction-static 0.8 --max-running-requests 1024"')
-    g.add_argument("--sglang-server-concurrency", type=int, default=None,
-                   help="sequences each SGLang server (or each worker of a router) runs at once; megamu sends it "
-                        "twice that (default: the server's max_running_requests from /server_info, else 512)")
-    g.add_argument("--rollout-deterministic", action="store_true",
-                   help="SGLang honours each sample's seed (servers launched with --enable-deterministic-inference; "
-                        "given servers must have it), so a resumed stage redraws the same samples; slower kernels. "
-                        "The local engine always is")
-    g.add_argument("--sglang-python", default=None,
-                   help="the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv")
-    g.add_argument("--sglang-env", default="",
-                   help='environment of servers megamu launches, e.g. "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"')
-    g.add_argument("--sglang-memory-saver", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch servers with --enable-memory-saver and, in colocated mode, have them release their "
-                        "KV cache and weights while the trainer trains (default: on for colocated runs on GPUs, "
-                        "where servers share the trainer's devices)")
-    g.add_argument("--weight-sync-address", default=None,
-                   help="this process's address as the servers reach it, for in-memory pushes over a process group "
-                        "(default: torchrun's MASTER_ADDR, else 127.0.0.1)")
-    g.add_argument("--weight-sync", choices=["disk", "memory"], default=None,
-                   help="SGLang refreshes: HF export + /update_weights_from_disk, or an in-memory broadcast "
-                        "(default: memory in --rollout-mode colocated, disk in staged)")
-
-
-def add_reward_arguments(p: argparse.ArgumentParser) -> None:
-    """The reward's flags, one spelling for the trainer and tools/evaluate.py (read back by ``reward_config``)."""
-    g = p.add_argument_group("reward")
-    g.add_argument("--reward", choices=REWARD_KINDS, default=_default(RewardConfig, "kind"),
-                   help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
-                        "against the row's tests in a sandbox")
-    g.add_argument("--code-reward-mode", choices=CODE_MODES, default=_default(RewardConfig, "code_mode"),
-                   help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
-    g.add_argument("--code-sandbox-url", default=None,
-                   help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
-    g.add_argument("--code-timeout", type=float, default=_default(RewardConfig, "timeout_s"),
-                   help="code: wall-clock and CPU seconds of one program execution (one test case)")
-
-
-def reward_config(args: argparse.Namespace) -> RewardConfig:
-    """The run's reward (``megamu.reward.make_scorer`` builds its pool); code flags without --reward code are an
-    error, so a flag that would do nothing is never silently ignored."""
-    if args.reward != "code":
-        for flag, value, field in (("--code-reward-mode", args.code_reward_mode, "code_mode"),
-                                   ("--code-sandbox-url", args.code_sandbox_url, "sandbox_url"),
-                                   ("--code-timeout", args.code_timeout, "timeout_s")):
-            if value != _default(RewardConfig, field):
-                _error(flag, "only used with --reward code")
-    if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
-        _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
-    if args.reward_fn and ":" not in args.reward_fn:
-        _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
-    return _config(RewardConfig, kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
-                   sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
-                   num_workers=getattr(args, "reward_workers", None))
-
-
-def answer_key(args: argparse.Namespace) -> str:
-    """--answer-key, by default the key the reward reads: a code row's tests, or a math row's answer."""
-    return args.answer_key or ("tests" if args.reward == "code" else "answer")
-
-
-def engine_config(args: argparse.Namespace, device: Device | None = None) -> EngineConfig:
-    """The engine flags (shared with tools/evaluate.py) as an EngineConfig for the trainer's ``device``."""
-    device = device or CPU
-    if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
-        _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
-    if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
-        _error("--sglang-python/--sglang-env", "only used with --rollout-engine sglang")
-    if args.rollout_engine == "local" and args.sglang_server_concurrency is not None:
-        _error("--sglang-server-concurrency", "only used with --rollout-engine sglang")
-    env = {}
-    for item in shlex.split(args.sglang_env):
-        if "=" not in item:
-            _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
-        env.update([item.split("=", 1)])
-    colocated = getattr(args, "rollout_mode", "staged") == "colocated"
-    sync = args.weight_sync or ("memory" if colocated and args.rollout_engine == "sglang" else "disk")
-    if sync == "memory" and not colocated:
-        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
-                                "from the stage's export)")
-    sglang = SGLangConfig()
-    if args.rollout_engine == "sglang":
-        sglang = _config(SGLangConfig, urls=[u for u in (args.sglang_url or "").split(",") if u],
-                         num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
-                         extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
-                         server_env=env, weight_sync=sync, sync_backend=device.backend,
-                         shares_trainer_devices=colocated,  # async servers have GPUs of their own
-                         sync_master_address=args.weight_sync_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                         memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
-                         else args.sglang_memory_saver,
-                         server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic,
-                         host=args.sglang_host, router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
-                         startup_timeout_s=args.sglang_startup_timeout,
-                         probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
-                         probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)
-    dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
-    return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
-                   sglang=sglang)
-
-
-# Config fields whose flag is not "--" + the field's name with dashes.
-FLAG_OF_FIELD = {
-    "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
-    "name": "--algorithm", "kind": "--reward", "code_mode": "--code-reward-mode", "sandbox_url": "--code-sandbox-url",
-    "timeout_s": "--code-timeout", "max_batch_size": "--rollout-batch-size", "num_servers": "--sglang-num-servers",
-    "tp_size": "--sglang-tp-size", "extra_server_args": "--sglang-server-args", "n_samples": "--n-samples-per-prompt",
-    "max_new_tokens": "--rollout-max-response-len", "groups_per_shard": "--rollout-groups-per-shard",
-    "shards_per_call": "--rollout-shards-per-call", "temperature": "--rollout-temperature", "top_p": "--rollout-top-p",
-    "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
-    "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
-    "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
-    "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
-    "router": "--sglang-router", "url_timeout_s": "--sglang-url-timeout",
-    "startup_timeout_s": "--sglang-startup-timeout",
-    "probe_period_s": "--rollout-probe-period", "probe_timeout_s": "--rollout-probe-timeout",
-    "probe_misses": "--rollout-probe-misses", "max_restarts": "--rollout-max-restarts",
-}
-
-
-def _error(flag: str, message: str):
-    raise SystemExit(f"pretrain_mu_grpo.py: error: {flag}: {message}")
-
-
-def _config(make, **kwargs):
-    """Build a part's config; a ConfigError (which names a field) becomes an error naming the flag."""
-    try:
-        return make(**kwargs)
-    except ConfigError as e:
-        _error(FLAG_OF_FIELD.get(e.field, "--" + e.field.replace("_", "-")), e.message)
 
 
 def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:

@@ -11,13 +11,13 @@ import time
 
 from tests.e2e.test_pretrain import REPO, flags, launch, records, tiny  # noqa: F401  (fixture)
 from tests.processes import pid_alive
-from tests.torchrun import free_port
+from tests.torchrun import server_ports
 
 
 def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):  # noqa: F811
     save, record = tmp_path / "run", tmp_path / "servers"
     record.mkdir()
-    port = free_port()
+    port = server_ports()
     env = (f"PYTHONPATH={REPO / 'tests' / 'rollout' / 'fake_sglang'} FAKE_SGLANG_REPO={REPO} "
            f"FAKE_SGLANG_RECORD={record} FAKE_SGLANG_DELAY=0.1")
     args = flags(tiny, save, "--num-stages", "1", "--eval-prompts", "0", "--tensor-model-parallel-size", "2",

@@ -26,7 +26,7 @@ from megamu.tiny import build_char_tokenizer
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
-from tests.torchrun import free_port
+from tests.torchrun import free_port, server_ports
 
 REPO = Path(__file__).resolve().parents[2]
 N, PER_SHARD = 2, 2
@@ -42,7 +42,7 @@ def _config(tmp_path: Path, num_servers: int, **kw) -> SGLangConfig:
     env = {"PYTHONPATH": str(REPO / "tests" / "rollout" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
            "FAKE_SGLANG_RECORD": str(tmp_path), "FAKE_SGLANG_DELAY": "0.3"}
     return SGLangConfig(**{**HEALTH, **dict(server_python=sys.executable, server_env=env, num_servers=num_servers,
-                                            port_base=free_port(), startup_timeout_s=120,
+                                            port_base=server_ports(num_servers), startup_timeout_s=120,
                                             log_dir=str(tmp_path / "logs")), **kw})
 
 

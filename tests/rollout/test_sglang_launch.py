@@ -11,7 +11,7 @@ from megamu.engines.sglang.client import SGLangEngine
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
-from tests.torchrun import free_port, run_torchrun
+from tests.torchrun import free_port, run_torchrun, server_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_servers_run_under_the_named_python_and_environment(tiny_llama, tmp_path
     for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
                  "TORCHELASTIC_RUN_ID": "abc"}.items():
         monkeypatch.setenv(k, v)  # as in a trainer rank started by torchrun
-    port = free_port()
+    port = server_ports()
     cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=port, num_servers=1,
                        dtype="bfloat16", startup_timeout_s=120, log_dir=str(tmp_path / "logs"),
                        extra_server_args=["--device", "cpu"])
@@ -47,7 +47,7 @@ def test_servers_run_under_the_named_python_and_environment(tiny_llama, tmp_path
 
 
 def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llama, tmp_path):
-    port = free_port()
+    port = server_ports(11)  # node n's server at port + 10 n
     run_torchrun(REPO / "tests" / "rollout" / "workers" / "sglang_nodes.py", 2, tiny_llama, str(tmp_path), str(port),
                  timeout=240, env={"PYTHONPATH": str(REPO)})
     seen = json.loads((tmp_path / "rank0.json").read_text())
@@ -97,7 +97,7 @@ def _two_nodes(model_dir: str, record: Path, *mode: str) -> list[dict]:
     import signal
     import subprocess
 
-    port, rdzv = free_port(), free_port()
+    port, rdzv = server_ports(11), free_port()  # node n's server at port + 10 n
     worker = REPO / "tests" / "rollout" / "workers" / "sglang_stage_nodes.py"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
@@ -178,7 +178,7 @@ def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_pa
 
     router = SchemaServer(LocalEngine(tiny_llama), api_key="k")
     router.workers = []
-    cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=free_port(),
+    cfg = SGLangConfig(server_python=sys.executable, server_env=_fake_env(tmp_path), port_base=server_ports(),
                        startup_timeout_s=120, log_dir=str(tmp_path / "logs"), api_key="k", router=router.url,
                        server_concurrency=3)
     try:

@@ -26,6 +26,7 @@ def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path): 
     t0 = time.monotonic()
     crashed = launch(args, nproc=2, env={"MEGAMU_CRASH_AFTER": "shard:1"}, check=False)
     seconds = time.monotonic() - t0
+    after_crash = time.time() - (save / "rollouts" / "stage_0" / "shard-00001.parquet").stat().st_mtime
     assert crashed.returncode != 0, crashed.stdout[-2000:]
     server_pid = json.loads((record / f"{port}.json").read_text())["pid"]
     deadline = time.monotonic() + 10
@@ -40,4 +41,5 @@ def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path): 
     assert "[rollout] stage 0: resuming, 2/" in resumed.stdout, resumed.stdout[-3000:]
     assert {p: (stage / p).read_bytes() for p in written} == written  # the shards written before the crash, kept
     assert (stage / "manifest.json").exists() and len(records(save, "update")) == 4
-    print(f"\nrank-0 crash: the job ended {seconds:.1f}s after its start; the rerun resumed at shard 2")
+    print(f"\nrank-0 crash: the job ended {after_crash:.1f}s after rank 0 died ({seconds:.1f}s after its start); "
+          "the rerun resumed at shard 2")

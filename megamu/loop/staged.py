@@ -176,6 +176,8 @@ class StageEngine:
 
             self.engine, self.node = start_sglang(str(self.hf_dir), replace(self.engine_cfg.sglang,
                                                                             dtype=self.engine_cfg.dtype))
+        elif self.spread() and self.node is not None:
+            self.node.watching(True)  # colocated: a node's own probes run during rollouts only (release())
         if (not self.warm and self.mode == "colocated" and self.engine_cfg.kind == "sglang"
                 and not self.engine_cfg.sglang.urls):
             self.launch_stage = stage  # restarts load its export: kept until close()
@@ -206,6 +208,8 @@ class StageEngine:
         colocated mode keeps it for the next push, its servers' memory given back when they share the GPUs."""
         if self.spread():  # every node's servers serve until rank 0 is done with them (its phase and evaluation)
             parallel.wait_for_main_rank()
+            if self.node is not None and self.mode == "colocated":
+                self.node.watching(False)  # pushes come next: a server busy loading one may miss its probes
         if self.mode == "staged":  # each node's shutdown returns once its servers' processes are gone
             for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
                 engine.shutdown()

@@ -83,6 +83,7 @@ class SGLangEngine:
         self._router_workers: list[tuple[str, str]] = []  # (router, worker id) pairs this engine added (nodes.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
+        self.keeps = False  # watches and restarts its servers for a dispatcher on another rank (keep_alive)
         self.hf_dir, self.log_dir, logs = hf_dir, None, []
         if cfg.urls:
             self.urls = [u.rstrip("/") for u in cfg.urls]
@@ -332,10 +333,17 @@ class SGLangEngine:
                               f"{self.weight_version}")
         return samples
 
-    def keep_alive(self) -> None:
+    def keep_alive(self, on: bool = True) -> None:
         """Probe and restart these servers all the time, not only while this engine sends requests: a node's servers
-        that another rank dispatches to (nodes.py)."""
-        self._health.keeper = True
+        that another rank dispatches to (nodes.py). Off between a colocated stage's rollouts (``watching``): a server
+        busy loading a push may miss its probes, and must not be killed for it."""
+        self._health.keeper = on
+        self.keeps = self.keeps or on
+
+    def watching(self, on: bool) -> None:
+        """Turn the probes of a node's own servers on for a rollout and off after it (only if it keeps them alive)."""
+        if self.keeps:
+            self._health.keeper = on
 
     def begin_stage(self) -> None:
         """A rollout phase starts: restart budgets and per-server counts start from zero."""

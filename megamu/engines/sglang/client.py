@@ -184,29 +184,6 @@ class SGLangEngine:
             raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
         self.weight_version = versions.pop() if versions else None
 
-    def join_router(self, router: str, url: str, timeout_s: float = 60.0) -> None:
-        """Add server ``url`` to sglang-router ``router``'s workers until this engine shuts down, and wait until the
-        router lists it healthy (sglang-router >= 0.3: ``POST /workers`` queues the addition, with the server's API
-        key for the router's own calls to it; ``DELETE /workers/<id>`` at shutdown)."""
-        try:
-            added = self._call(router, "/workers", {"url": url, "api_key": self.api_key}, timeout=60.0) or {}
-        except SGLangError as e:
-            if e.status in (404, 405):
-                raise SGLangError(f"{router} has no /workers API: --sglang-router needs sglang-router >= 0.3 "
-                                  "(POST /workers, GET /workers, DELETE /workers/<id>)") from e
-            raise
-        deadline = time.monotonic() + timeout_s
-        while True:
-            listed = (self._call(router, "/workers", None, timeout=30.0) or {}).get("workers") or []
-            worker = next((w for w in listed if str(w.get("url", "")).rstrip("/") == url), None)
-            if worker is not None and worker.get("is_healthy", True):
-                break
-            if time.monotonic() > deadline:
-                raise SGLangError(f"the router {router} did not list {url} as a healthy worker within {timeout_s:.0f}s "
-                                  f"(it lists {[w.get('url') for w in listed]})")
-            time.sleep(0.2)
-        self._router_workers.append((router, str(added.get("worker_id") or worker.get("id"))))
-
     def refresh_capacities(self) -> None:
         """Ask the servers (a router: its workers) their capacities again."""
         self.capacities, self.routers = server_capacities(self.urls, [{}] * len(self.urls),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import time
 from dataclasses import replace
 
 from megamu import parallel
@@ -75,7 +76,7 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
     try:
         engine = SGLangEngine(None, replace(cfg, urls=[router], router=None))
         for url in urls:
-            engine.join_router(router, url)
+            join_router(engine, router, url)
         engine.control_urls = list(urls)  # weight syncs, memory calls and probes go to the servers, not the router
         engine._read_limits([engine._check_server(u, None) for u in urls], None)  # the servers' model, not the router's
         engine.refresh_capacities()  # the router's capacity: the sum of its workers', now ours
@@ -84,3 +85,27 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
             engine.shutdown()
         raise
     return engine
+
+
+def join_router(engine: SGLangEngine, router: str, url: str, timeout_s: float = 60.0) -> None:
+    """Add server ``url`` to sglang-router ``router``'s workers until ``engine`` shuts down, and wait until the
+    router lists it healthy (sglang-router >= 0.3: ``POST /workers`` queues the addition, with the server's API
+    key for the router's own calls to it; ``DELETE /workers/<id>`` at shutdown)."""
+    try:
+        added = engine._call(router, "/workers", {"url": url, "api_key": engine.api_key}, timeout=60.0) or {}
+    except SGLangError as e:
+        if e.status in (404, 405):
+            raise SGLangError(f"{router} has no /workers API: --sglang-router needs sglang-router >= 0.3 "
+                              "(POST /workers, GET /workers, DELETE /workers/<id>)") from e
+        raise
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = (engine._call(router, "/workers", None, timeout=30.0) or {}).get("workers") or []
+        worker = next((w for w in listed if str(w.get("url", "")).rstrip("/") == url), None)
+        if worker is not None and worker.get("is_healthy", True):
+            break
+        if time.monotonic() > deadline:
+            raise SGLangError(f"the router {router} did not list {url} as a healthy worker within {timeout_s:.0f}s "
+                              f"(it lists {[w.get('url') for w in listed]})")
+        time.sleep(0.2)
+    engine._router_workers.append((router, str(added.get("worker_id") or worker.get("id"))))

@@ -164,9 +164,11 @@ class StageEngine:
         servers on that node's GPUs once the trainer has offloaded, and rank 0 dispatches over all of them. Staged
         mode starts them each stage; colocated mode once, keeping them between refreshes, when its pushes come from
         a folder (--weight-sync disk: every node's servers read it) or in memory (``pushes_per_node``)."""
-        sglang = self.engine_cfg.sglang
-        return (self.engine_cfg.kind == "sglang" and not sglang.urls
-                and (parallel.world_size() > 1 or sglang.router is not None))
+        return self.launches_servers() and (parallel.world_size() > 1 or self.engine_cfg.sglang.router is not None)
+
+    def launches_servers(self) -> bool:
+        """SGLang servers megamu starts (not given by --sglang-url): megamu may restart them."""
+        return self.engine_cfg.kind == "sglang" and not self.engine_cfg.sglang.urls
 
     def generate(self, stage: int, prompts: list[PromptRecord], version: int) -> None:
         """β_k generates D_k = {(x, y, A, b_1:T)} into the run directory, durable and resumable (rank 0). With
@@ -178,8 +180,7 @@ class StageEngine:
                                                                             dtype=self.engine_cfg.dtype))
         elif self.spread() and self.node is not None:
             self.node.watching(True)  # colocated: a node's own probes run during rollouts only (release())
-        if (not self.warm and self.mode == "colocated" and self.engine_cfg.kind == "sglang"
-                and not self.engine_cfg.sglang.urls):
+        if not self.warm and self.mode == "colocated" and self.launches_servers():
             self.launch_stage = stage  # restarts load its export: kept until close()
         if not parallel.is_main_rank():
             return
@@ -211,13 +212,17 @@ class StageEngine:
             if self.node is not None and self.mode == "colocated":
                 self.node.watching(False)  # pushes come next: a server busy loading one may miss its probes
         if self.mode == "staged":  # each node's shutdown returns once its servers' processes are gone
-            for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
-                engine.shutdown()
-            self.engine = self.node = None
+            self._shutdown_engines()
         if self.saves_memory and self.engine is not None and not self.released:
             memory.release(self.engine, memory.ALL)
             self.released = memory.ALL
         self.warm = self.mode == "colocated"
+
+    def _shutdown_engines(self) -> None:
+        """Stop rank 0's engine and this node's servers (one engine when they are the same)."""
+        for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
+            engine.shutdown()
+        self.engine = self.node = None
 
     def prune_export(self, stage: int) -> None:
         """Delete hf/stage_k once D_k is durable (rank 0). Not the folder running servers were launched from
@@ -234,9 +239,7 @@ class StageEngine:
     def close(self) -> None:
         if self.spread() and self.mode == "colocated":  # every node's servers serve rank 0's final evaluation
             parallel.wait_for_main_rank()
-        for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
-            engine.shutdown()
-        self.engine = self.node = None
+        self._shutdown_engines()
         if self.launch_stage is not None and parallel.is_main_rank():
             self.run_dir.prune_stage_export(self.launch_stage)
         if self.scorer is not None:

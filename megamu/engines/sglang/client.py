@@ -310,12 +310,11 @@ class SGLangEngine:
                               f"{self.weight_version}")
         return samples
 
-    def keep_alive(self, on: bool = True) -> None:
+    def keep_alive(self) -> None:
         """Probe and restart these servers all the time, not only while this engine sends requests: a node's servers
         that another rank dispatches to (nodes.py). Off between a colocated stage's rollouts (``watching``): a server
         busy loading a push may miss its probes, and must not be killed for it."""
-        self._health.keeper = on
-        self.keeps = self.keeps or on
+        self._health.keeper = self.keeps = True
 
     def watching(self, on: bool) -> None:
         """Turn the probes of a node's own servers on for a rollout and off after it (only if it keeps them alive)."""

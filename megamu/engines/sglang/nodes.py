@@ -42,7 +42,7 @@ def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | 
     cfg = replace(cfg, api_key=parallel.broadcast_object(
         cfg.api_key or os.environ.get("SGLANG_API_KEY") or secrets.token_hex(16), wait=True))
     node, error = None, ""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if parallel.is_node_main():
         try:
             node = SGLangEngine(hf_dir, cfg)
         except (SGLangError, OSError, ValueError) as e:

@@ -69,44 +69,37 @@ class AsyncTransport:
                                                   json_serialize=json.dumps)
         return self._session
 
-    async def post(self, url: str, path: str, body: dict, timeout: float):
-        """POST ``body`` as JSON; the decoded JSON answer (None for an empty body)."""
+    async def _request(self, method: str, url: str, path: str, timeout: float, **kw) -> tuple[int, bytes]:
+        """(status, body) of one request; aiohttp's errors as this module's: TimeoutError, Unreachable (nothing
+        listens there), ConnectionError (reset, dropped before the answer, malformed answer)."""
         import aiohttp
 
         session = await self._get_session()
-        data = json.dumps(body).encode()
         try:
-            async with session.post(url + path, data=data, timeout=aiohttp.ClientTimeout(total=timeout),
-                                    headers={"Content-Type": "application/json"}) as resp:
-                raw = await resp.read()
-                if resp.status >= 400:
-                    detail = raw[:500].decode(errors="replace")
-                    if resp.status >= 500:
-                        raise ConnectionError(f"{url}{path}: HTTP {resp.status}: {detail}")
-                    raise HTTPRefused(f"{url}{path}: HTTP {resp.status}: {detail}", resp.status)
+            async with session.request(method, url + path, timeout=aiohttp.ClientTimeout(total=timeout), **kw) as resp:
+                return resp.status, await resp.read()
         except TimeoutError as e:  # aiohttp's total timeout; TimeoutError itself on Python >= 3.11
             raise TimeoutError(f"{url}{path}: no answer within {timeout}s") from e
         except aiohttp.ClientConnectorError as e:  # refused: nothing listens there
             raise Unreachable(f"{url}{path}: {type(e).__name__}: {e}") from e
-        except aiohttp.ClientError as e:  # reset, dropped before the answer, malformed answer
+        except aiohttp.ClientError as e:
             raise ConnectionError(f"{url}{path}: {type(e).__name__}: {e}") from e
+
+    async def post(self, url: str, path: str, body: dict, timeout: float):
+        """POST ``body`` as JSON; the decoded JSON answer (None for an empty body). A 5xx is a ConnectionError (the
+        server may answer a retry), a 4xx an HTTPRefused."""
+        status, raw = await self._request("POST", url, path, timeout, data=json.dumps(body).encode(),
+                                          headers={"Content-Type": "application/json"})
+        if status >= 400:
+            detail = raw[:500].decode(errors="replace")
+            if status >= 500:
+                raise ConnectionError(f"{url}{path}: HTTP {status}: {detail}")
+            raise HTTPRefused(f"{url}{path}: HTTP {status}: {detail}", status)
         return json.loads(raw) if raw.strip() else None
 
     async def get(self, url: str, path: str, timeout: float) -> int:
         """GET ``path`` and return the HTTP status (health probes); errors as ``post``'s, any status is an answer."""
-        import aiohttp
-
-        session = await self._get_session()
-        try:
-            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                await resp.read()
-                return resp.status
-        except TimeoutError as e:
-            raise TimeoutError(f"{url}{path}: no answer within {timeout}s") from e
-        except aiohttp.ClientConnectorError as e:
-            raise Unreachable(f"{url}{path}: {type(e).__name__}: {e}") from e
-        except aiohttp.ClientError as e:
-            raise ConnectionError(f"{url}{path}: {type(e).__name__}: {e}") from e
+        return (await self._request("GET", url, path, timeout))[0]
 
     def close(self) -> None:
         if not self.loop.is_running():

@@ -205,9 +205,13 @@ def push_tensors(engine, state_dict: dict, version: str, urls: list[str] | None 
     group of its own for that push."""
     if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
         return send_tensors(engine, state_dict, version, urls), "memory (tensor)"
+
+    def new_group(members: list[str]) -> WeightGroup:
+        engine._sync_count += 1  # a fresh name: the servers may still know an old group's
+        return WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", members)
+
     if urls is not None and list(urls) != engine.control_urls:
-        engine._sync_count += 1
-        group = WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", urls)
+        group = new_group(urls)
         try:
             return group.send(state_dict, version), "memory"
         finally:
@@ -216,9 +220,7 @@ def push_tensors(engine, state_dict: dict, version: str, urls: list[str] | None 
         engine._sync.close()
         engine._sync = None
     if engine._sync is None:
-        engine._sync_count += 1
-        engine._sync = WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", engine.control_urls)
-        engine._sync_stale = False
+        engine._sync, engine._sync_stale = new_group(engine.control_urls), False
     return engine._sync.send(state_dict, version), "memory"
 
 
@@ -241,7 +243,7 @@ def host_copy(state_dict: dict, into: dict | None = None) -> dict:
 class SyncReport:
     """One weight sync, for the metrics."""
 
-    mode: str  # "disk" | "memory" | "memory (tensor)"
+    mode: str  # "disk" | "memory" | "memory (tensor)" | "memory (tensor, per node)" (loop/staged.py) | "confirm"
     seconds: float
     version: str
     bytes: int = 0  # sent in memory

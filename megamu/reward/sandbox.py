@@ -3,6 +3,7 @@
 Every run gets:
   - a fresh temporary working directory holding the program, removed after the run;
   - its own session and process group, killed whole (SIGKILL) at the wall-clock limit or when the run ends;
+  - the OOM killer's first choice (oom_score_adj 1000, inherited by its children);
   - resource limits: CPU seconds, address space, file size (also caps stdout/stderr, which go to files), open files,
     no core dumps, and RLIMIT_NPROC (which only binds non-root users: the kernel never applies it to uid 0);
   - a scrubbed environment (PATH, LANG, HOME=the working directory; no secrets, no PYTHONPATH) and ``python -I -S``
@@ -172,6 +173,10 @@ def _prepare_child(limits: SandboxLimits, isolation: Isolation, cgroup: str | No
     def prepare() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the worker dies: so does the run
+        try:  # under memory pressure the kernel's OOM killer takes the untrusted program first, not the trainer
+            Path("/proc/self/oom_score_adj").write_text("1000")
+        except OSError:
+            pass
         if cgroup is not None:
             with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))

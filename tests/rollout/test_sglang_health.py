@@ -267,3 +267,28 @@ def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama
         engine.shutdown()
         for s in servers[::2]:
             s.close()
+
+
+def test_a_keeper_probes_while_watching_only(server):
+    """A node's own colocated servers (keep_alive) are probed through rollouts and not between them (``watching``):
+    a server busy loading a push may miss probes and must not be killed for it. An engine that does not keep its
+    servers alive probes only while its own requests are out."""
+    engine = SGLangEngine(None, SGLangConfig(urls=[server.url], api_key="secret", **HEALTH))
+
+    def probes_over(seconds: float) -> int:
+        time.sleep(PERIOD + TIMEOUT + 0.5)  # a probe already under way when the switch flipped may still land
+        before = server.probes
+        time.sleep(seconds)
+        return server.probes - before
+
+    try:
+        engine.watching(True)  # not a keeper: no effect
+        assert probes_over(4 * PERIOD) == 0
+        engine.keep_alive()
+        assert probes_over(4 * PERIOD) >= 2
+        engine.watching(False)
+        assert probes_over(4 * PERIOD) == 0
+        engine.watching(True)
+        assert probes_over(4 * PERIOD) >= 2
+    finally:
+        engine.shutdown()

@@ -54,4 +54,9 @@ def main(hf_dir, dist_dir, mbridge_export, megamu_export):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    from megamu.parallel import destroy_distributed
+
+    try:
+        main(*sys.argv[1:])
+    finally:  # groups left up at exit: one rank once aborted ("terminate called without an active exception")
+        destroy_distributed()

@@ -88,6 +88,13 @@ class RunDir:
             shutil.rmtree(leftover)
         return True
 
+    def prune_done_stage_exports(self) -> list[int]:
+        """At a run's start, before any engine loads one: delete every ``hf/stage_k`` whose D_k is durable. A killed
+        run leaves one behind (the folder its colocated servers were launched from, kept for their restarts, or a
+        kill between D_k's manifest and the prune), and a resume skips that stage's rollout. Returns the stages."""
+        stages = sorted(int(d.name[6:]) for d in self.exports.glob("stage_*") if d.name[6:].isdigit())
+        return [k for k in stages if self.prune_stage_export(k)]
+
     def prune_iter_exports(self, keep: int) -> list[Path]:
         """Keep the newest ``keep`` ``hf/iter_N`` exports (--hf-export-interval; 0: all): a 7B export is ~15 GB, and
         one every 200 updates of a 4096-update run would otherwise fill ~300 GB. Returns the deleted folders."""

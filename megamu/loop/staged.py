@@ -66,6 +66,8 @@ class StageEngine:
         self.pending = None  # the probe of a push into servers that released their KV cache, checked by wake()
         self.t_eval = 0.0  # seconds of this process's last held-out evaluation (rank 0), for the run's ETA
         self.launch_stage: int | None = None  # colocated servers megamu launched: the stage whose export they loaded
+        if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now
+            run_dir.prune_done_stage_exports()
 
     def sampling(self, stage: int):
         return self.cfg.sampling(stage, stop_token_ids(self.tokenizer))

@@ -181,6 +181,20 @@ def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
     assert not prune_stage_export()  # idempotent on resume
 
 
+def test_a_runs_start_prunes_the_exports_of_durable_stages(tmp_path):
+    from megamu.run_dir import RunDir
+
+    run = RunDir(tmp_path)
+    for k in (0, 2, 3):
+        run.stage_export(k).mkdir(parents=True)
+    for k in (0, 1, 2):  # D_0..D_2 durable; stage 3's rollout not finished (a resume needs its export)
+        run.stage_rollouts(k).mkdir(parents=True)
+        (run.stage_rollouts(k) / "manifest.json").write_text("{}")
+    run.final_export.mkdir()
+    assert run.prune_done_stage_exports() == [0, 2]
+    assert sorted(p.name for p in run.exports.iterdir()) == ["final", "stage_3"]
+
+
 def test_iter_exports_fall_under_retention(tmp_path):
     from megamu.run_dir import RunDir
 

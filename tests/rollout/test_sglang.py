@@ -87,11 +87,11 @@ def test_proxy_settings_are_ignored(server, monkeypatch):
 
 def test_timeout_is_an_error(server):
     client = _client(server, request_timeout_s=0.5)
-    server.faults = ["sleep:2"]
+    server.faults = ["sleep:8"]
     t0 = time.monotonic()
     with pytest.raises(SGLangError, match="within 0.5s"):
         client.generate(_requests(1)[:1])
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 6  # the timeout's doing, not the answer's (8 s): margin for a loaded machine
 
 
 def test_wrong_api_key_and_update_weights(server, tiny_llama, tmp_path):

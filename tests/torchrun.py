@@ -61,3 +61,14 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
             f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def rank_main(main, *args) -> None:
+    """A worker's entry: ``main(*args)``, then its process groups torn down, whatever happened. Groups left up at exit
+    once aborted a rank after its work was done ("terminate called without an active exception")."""
+    from megamu.parallel import destroy_distributed
+
+    try:
+        main(*args)
+    finally:
+        destroy_distributed()

@@ -2,8 +2,11 @@
 export_hf from the live model. Args: pairs of (hf_dir, mcore_dir, export_dir)."""
 
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's megamu and tests, not an installed one
 
 
 def main(args):
@@ -38,9 +41,6 @@ def main(args):
 
 
 if __name__ == "__main__":
-    from megamu.parallel import destroy_distributed
+    from tests.torchrun import rank_main
 
-    try:
-        main(sys.argv[1:])
-    finally:  # groups left up at exit: one rank once aborted ("terminate called without an active exception")
-        destroy_distributed()
+    rank_main(main, sys.argv[1:])

@@ -54,9 +54,6 @@ def main(hf_dir, dist_dir, mbridge_export, megamu_export):
 
 
 if __name__ == "__main__":
-    from megamu.parallel import destroy_distributed
+    from tests.torchrun import rank_main
 
-    try:
-        main(*sys.argv[1:])
-    finally:  # groups left up at exit: one rank once aborted ("terminate called without an active exception")
-        destroy_distributed()
+    rank_main(main, *sys.argv[1:])

@@ -285,10 +285,10 @@ def test_a_keeper_probes_while_watching_only(server):
         engine.watching(True)  # not a keeper: no effect
         assert probes_over(4 * PERIOD) == 0
         engine.keep_alive()
-        assert probes_over(4 * PERIOD) >= 2
+        assert probes_over(8 * PERIOD) >= 2  # ~8 probes due: room for a loaded core's late event loop
         engine.watching(False)
         assert probes_over(4 * PERIOD) == 0
         engine.watching(True)
-        assert probes_over(4 * PERIOD) >= 2
+        assert probes_over(8 * PERIOD) >= 2
     finally:
         engine.shutdown()

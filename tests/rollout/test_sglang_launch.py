@@ -196,3 +196,24 @@ def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_pa
             node.shutdown()
     finally:
         router.close()
+
+
+@pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_memory_saver_servers_do_not_inherit_expandable_segments(var):
+    """torch_memory_saver refuses to run when the allocator setting holds "expandable_segments:True"
+    (fzyzcjy/torch_memory_saver, torch_memory_saver/entrypoint.py:397-401, ``_sanity_checks``, called from the region
+    context at :192): a server launched with --enable-memory-saver must not inherit it; other options stay."""
+    from megamu.engines.sglang.launch import server_env
+
+    base = {var: "expandable_segments:True,max_split_size_mb:256", "PATH": "/bin"}
+    saver = server_env(SGLangConfig(memory_saver=True), base)
+    assert "expandable_segments:True" not in saver.get("PYTORCH_CUDA_ALLOC_CONF", "")  # what TMS reads
+    assert "expandable_segments" not in saver[var]
+    assert saver[var] == "max_split_size_mb:256" and saver["PATH"] == "/bin"
+    alone = server_env(SGLangConfig(memory_saver=True), {var: "expandable_segments:True"})
+    assert var not in alone
+    # given in server_env too: still removed, since the server would die either way
+    given = server_env(SGLangConfig(memory_saver=True, server_env={var: "expandable_segments:True"}), {})
+    assert var not in given
+    # without the memory saver the server may keep the setting
+    assert server_env(SGLangConfig(memory_saver=False), base)[var] == base[var]

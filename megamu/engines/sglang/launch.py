@@ -172,11 +172,30 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+# The caching allocator's settings: torch reads PYTORCH_ALLOC_CONF (2.9+) and the older PYTORCH_CUDA_ALLOC_CONF.
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def without_expandable_segments(conf: str) -> str:
+    """An allocator setting (``opt:val,opt:val``) with its ``expandable_segments`` option removed."""
+    return ",".join(o for o in conf.split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments")
+
+
 def server_env(cfg: SGLangConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The launched servers' environment: ours without torchrun's variables, plus ``cfg.server_env``."""
+    """The launched servers' environment: ours without torchrun's variables, plus ``cfg.server_env``.
+
+    Servers with the memory saver never get expandable segments: torch_memory_saver raises ("expandable_segments is
+    not supported yet") when its first region opens, the one SGLang loads its weights in, so the server dies at
+    launch. The trainer keeps them (examples/common.sh sets them for its offload cycles)."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if k not in TORCHRUN_ENV and not k.startswith(TORCHRUN_ENV_PREFIXES)}
     env.update(cfg.server_env)
+    if cfg.memory_saver:
+        for var in ALLOC_CONF_VARS:
+            if var in env:
+                env[var] = without_expandable_segments(env[var])
+                if not env[var]:
+                    del env[var]
     return env
 
 

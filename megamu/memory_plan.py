@@ -79,6 +79,11 @@ class MemoryPlanConfig:
     server_tp: int = 1
     mem_fraction_static: float = 0.85
     release_during_training: bool = False  # colocated servers /release_memory_occupation while the trainer trains
+    # colocated refreshes: "memory" pushes gathered tensors (rank 0 holds the full model, plus each bucket flattened
+    # once per server TP rank it goes to), "disk" reloads an export; None: no push phase (staged, async)
+    weight_push: str | None = None
+    push_bucket_mb: float = 512.0
+    push_bucket_copies: int = 1  # flattened copies of one bucket alive at once: servers on the node x server TP
     gpu_memory_gib: float = H200_GIB
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
@@ -117,6 +122,9 @@ class MemoryPlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(name, f"must be a positive number of GiB, got {value!r}")
+        if self.weight_push not in (None, "memory", "disk"):
+            raise ConfigError("weight_push", f"{self.weight_push!r}: expected 'memory', 'disk' or None")
+        require_positive("push_bucket_copies", self.push_bucket_copies)
         if self.release_during_training and self.rollout_mode != "colocated":
             raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
                               f"(rollout_mode={self.rollout_mode!r})")
@@ -354,4 +362,27 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
         if not c.offload_train:
             rows += [Row(phase, f"trainer {part}", b) for part, b in state]
     rows += servers(phase, at_launch, False)
+    if c.rollout_mode == "colocated" and c.weight_push:
+        rows += _push_rows(c, ctx, [] if c.offload_train else state, server_weights,
+                           (sum(m.param_counts()) + m.expert_params()) * e if c.weight_push == "memory" else 0)
     return MemoryPlan(c, rows, no_kv)
+
+
+def _push_rows(c: MemoryPlanConfig, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int,
+               gathered: int) -> list[Row]:
+    """A colocated refresh as megamu.loop.staged.publish orders it: the weights gathered while the trainer holds
+    them, the trainer offloaded, then each server's weights resumed (SGLang's /resume_memory_occupation, tag
+    "weights"; its KV cache stays released until the push is done) and the push, bucket by bucket."""
+    phase = "push (colocated refresh)"
+    rows = [Row(phase, "CUDA context + NCCL (trainer)", ctx)]
+    rows += [Row(phase, f"trainer {part}", b) for part, b in trainer_state]
+    if gathered:
+        rows.append(Row(phase, f"full weights gathered for the push (rank 0, {c.params_dtype})", gathered))
+        rows.append(Row(phase, f"flattened push buckets ({c.push_bucket_copies} x {c.push_bucket_mb:g} MiB)",
+                        int(c.push_bucket_copies * c.push_bucket_mb * 2**20)))
+    for i in range(c.servers_per_gpu):
+        name = f"server {i}" if c.servers_per_gpu > 1 else "server"
+        rows += [Row(phase, f"{name}: CUDA context", ctx),
+                 Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp}), resumed", server_weights),
+                 Row(phase, f"{name}: KV cache (released until the push is done)", 0, False)]
+    return rows

@@ -177,7 +177,9 @@ class Policy:
             for _ in gathered:
                 pass
             return None
-        return {n: t.to(dtype) for n, t in gathered}
+        # copies, never views: at TP=1 the gather returns the parameters themselves, and the trainer offloads them
+        # before the push (loop/staged.py ``publish``), which would empty the tensors being pushed
+        return {n: t.to(dtype, copy=True) for n, t in gathered}
 
     def logprob_probe(self, token_ids: list[int]) -> LogprobProbe:
         """The trainer's teacher-forced log-probs of ``token_ids`` at temperature 1 (collective), to check that an

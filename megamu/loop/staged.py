@@ -266,13 +266,8 @@ def train_staged(run) -> None:
         parallel.barrier()  # every rank has looked before rank 0 can write D_k: all take the same branch
         t0 = t1 = time.perf_counter()
         if not done:
-            want = engine.wants()  # 1. θ_k -> β_k (collective); colocated: the servers' weights come back for a push
-            engine.load(policy.weights(hf_dir=run_dir.stage_export(stage) if want.folder else None,
-                                       tensors=want.tensors, every_node=want.every_node, probe_ids=want.probe_ids),
-                        stage)  # pushed tensors are dropped here, before the rollout needs their memory
+            publish(policy, engine, stage, run_dir.stage_export(stage))  # 1-2. θ_k -> β_k, the trainer offloaded
             t1 = time.perf_counter()
-            policy.offload()  # 2. the trainer gives the device back (§4)
-            engine.wake()  # colocated: the servers' KV cache comes back
             engine.generate(stage, run.prompts.for_stage(stage), policy.version)  # 3. rank 0 writes D_k
             if stage == 0:
                 engine.evaluate(stage, "base")  # the held-out baseline, on the stage-0 engine
@@ -286,8 +281,31 @@ def train_staged(run) -> None:
         dataset = StageDataset(run_dir.stage_rollouts(stage))
         optimise(run, stage, dataset, engine.t_eval)  # 7. μ updates on the static D_k
         run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
-    engine.evaluate(plan.num_stages, "final", run.export_final())
+    final_evaluation(run, engine)
     engine.close()
+
+
+def final_evaluation(run, engine: StageEngine) -> None:
+    """The final policy exported (collective, while every rank holds its weights), then held-out: the servers that
+    evaluate it take their weights and KV cache back, or start, only once the trainer has given the device back."""
+    final = run.export_final()
+    run.policy.offload()
+    engine.evaluate(run.plan.num_stages, "final", final)
+
+
+def publish(policy, engine: StageEngine, stage: int, export_dir: Path) -> None:
+    """θ_k -> β_k (collective), then the device is the engine's: the weights are gathered (or exported) while the
+    trainer holds them, the trainer's memory goes back before the servers' weights come back for the push, and the
+    pushed tensors' blocks go back to the driver before the servers' KV cache does. slime orders its colocated
+    refresh the same way (train.py: offload_train, then onload_weights, update_weights, onload_kv)."""
+    want = engine.wants()
+    weights = policy.weights(hf_dir=export_dir if want.folder else None, tensors=want.tensors,
+                             every_node=want.every_node, probe_ids=want.probe_ids)
+    policy.offload()  # the trainer gives the device back (§4)
+    engine.load(weights, stage)  # colocated: the servers' weights come back for the push
+    del weights  # the pushed tensors, before the rollout needs their memory
+    policy.offload()  # again: now it only empties the allocator's cache of the pushed tensors' blocks
+    engine.wake()  # colocated: the servers' KV cache comes back
 
 
 def optimise(run, stage: int, dataset: StageDataset, t_eval: float) -> None:

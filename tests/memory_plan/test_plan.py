@@ -180,3 +180,49 @@ def test_moe_layouts_it_does_not_model_are_refused():
         with pytest.raises(ConfigError) as err:
             ModelShape.from_hf_config(dict(QWEN25_MATH_7B, num_experts_per_tok=2, moe_intermediate_size=64, **extra))
         assert err.value.field == "model"
+
+
+def test_colocated_push_phase_by_hand():
+    """The refresh as loop/staged.publish orders it (slime's train.py:82-88: offload_train, then onload_weights,
+    update_weights, onload_kv): the trainer's context, the gathered model on rank 0, the live flattened buckets
+    (megamu.engines.sglang.tensor_sync: one flattened copy per server TP rank), and each server's weights, resumed
+    alone (SGLang 0.5.23 /resume_memory_occupation ``tags``: "weights" without "kv_cache")."""
+    m = tiny_qwen2()
+    c = MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, rollout_mode="colocated", offload_train=True,
+                         weight_push="memory", push_bucket_mb=1.0, push_bucket_copies=2, cuda_context_gib=0.5,
+                         gpu_memory_gib=4.0)
+    plan = plan_memory(c)
+    phase = "push (colocated refresh)"
+    assert phase in plan.phases()
+    model_bf16 = m.num_parameters() * 2
+    ctx = GIB // 2
+    # trainer context + gathered model + 2 buckets + server context + server weights (TP 1: the whole model)
+    assert plan.total(phase) == ctx + model_bf16 + 2 * 2**20 + ctx + model_bf16
+    kv = [r for r in plan.rows() if r.phase == phase and "KV cache" in r.part]
+    assert kv and not any(r.counted for r in kv)
+    # a disk refresh gathers nothing: only the servers' resumed weights join the trainer's context
+    disk = plan_memory(replace(c, weight_push="disk"))
+    assert disk.total(phase) == ctx + ctx + model_bf16
+    # not offloaded: the trainer's state is there during the push too
+    held = plan_memory(replace(c, offload_train=False))
+    training_state = sum(r.bytes for r in held.rows() if r.phase == "training" and r.part.startswith(
+        ("params", "fp32", "Adam")))
+    assert held.total(phase) == plan.total(phase) + training_state
+    # staged and async runs have no push phase
+    assert phase not in plan_memory(replace(c, rollout_mode="staged", weight_push=None)).phases()
+
+
+def test_a_push_that_cannot_fit_is_refused():
+    """7B (bf16 15.2 GiB) colocated with the trainer's state kept on the GPU and a small device: the training phase
+    fits, the push (state + the gathered model + the server's weights) does not."""
+    model = ModelShape.from_hf_config(QWEN25_MATH_7B)
+    c = MemoryPlanConfig(model=model, **{**EXAMPLE, "micro_batch_size": 1, "max_seq_len": 1024,
+                                         "max_response_len": 512}, rollout_mode="colocated", offload_train=False,
+                         release_during_training=True, weight_push="memory", recompute_granularity="full")
+    plan = plan_memory(c)
+    need = plan.total("push (colocated refresh)") / GIB
+    train = plan.total("training") / GIB
+    assert need > train  # the gathered model and the servers' weights on top of the trainer's state
+    tight = replace(c, gpu_memory_gib=(need + train) / 2)
+    with pytest.raises(ConfigError, match="push"):
+        plan_memory(tight).check()

@@ -30,7 +30,9 @@ def build_model(
         raise RuntimeError("build_model: call megamu.parallel.init_distributed(...) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     transformer_impl = transformer_impl or device.transformer_impl
-    config = transformer_config(arch, tp=tp, params_dtype=params_dtype, bf16=bf16, transformer_impl=transformer_impl,
+    config = transformer_config(arch, tp=tp, ep=parallel_state.get_expert_model_parallel_world_size(),
+                                etp=parallel_state.get_expert_tensor_parallel_world_size(), params_dtype=params_dtype,
+                                bf16=bf16, transformer_impl=transformer_impl,
                                 perform_initialization=perform_initialization,
                                 recompute_granularity=recompute_granularity,
                                 use_cpu_initialization=not device.is_cuda)

@@ -232,6 +232,8 @@ def transformer_config(
     arch: ModelArch,
     *,
     tp: int,
+    ep: int = 1,
+    etp: int | None = None,
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     transformer_impl: str = "local",
@@ -260,6 +262,10 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        # the expert layout process groups were built with: TE's grouped linear marks expert weights as not
+        # all-reduced over data parallel only when it reads EP > 1 here (extensions/transformer_engine.py)
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,

@@ -105,3 +105,31 @@ def _qwen3_moe_config(**kw):
 def test_mixed_dense_and_sparse_stacks_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         ModelArch.from_hf(_qwen3_moe_config(**{field: value}))
+
+
+def test_the_model_config_carries_the_expert_layout_of_the_process_groups(distributed, monkeypatch):
+    """megatron-core's TE grouped linear reads the expert layout from its TransformerConfig, not from the process
+    groups: ``self.expert_parallel = self.config.expert_model_parallel_size > 1`` and every expert weight gets
+    ``allreduce = not (is_expert and self.expert_parallel)`` (megatron/core/extensions/transformer_engine.py:1506 and
+    :1551 in 0.16.1), and DDP all-reduces over the data-parallel group every parameter whose ``allreduce`` is true
+    (distributed/distributed_data_parallel.py:122, :563). A config left at EP 1 on EP-2 groups sums each rank's own
+    experts' gradients with another rank's different experts. Expert TP defaults to TP when not given
+    (model_parallel_config.py:413-414)."""
+    from megatron.core import parallel_state
+
+    import megamu.model.build as build
+
+    seen, real = {}, build.transformer_config
+
+    def capture(arch, **kw):  # the real config, then stop: GPTModel cannot be built on fake EP-2 groups
+        seen["config"] = real(arch, **kw)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(build, "transformer_config", capture)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 1)
+    arch = ModelArch.from_hf(_qwen3_moe_config(num_experts=4))
+    with pytest.raises(RuntimeError, match="captured"):
+        build.build_model(arch)
+    config = seen["config"]
+    assert config.expert_model_parallel_size == 2 and config.expert_tensor_parallel_size == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +25,21 @@ _TE_TO_LOCAL = {
 }
 
 
+# TEGroupedMLP (GPU experts) holds each linear of its E/EP local experts as one TE GroupedLinear whose parameters
+# are weight0..weight<E/EP - 1> (megatron/core/extensions/transformer_engine.py, TEGroupedLinear's sharded state
+# dict reads ``weight{gemm_idx}`` for local expert gemm_idx); SequentialMLP (CPU) names them
+# local_experts.<j>.linear_fc*.weight. Canonical names are SequentialMLP's, with the same local index j.
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
 def canonical_param_name(name: str) -> str:
     """Local-spec parameter name for a parameter of either spec (wrappers like Float16Module stripped by caller)."""
     for te, local in _TE_TO_LOCAL.items():
         if name.endswith(te):
             return name[: -len(te)] + local
+    m = _GROUPED_EXPERT.search(name)
+    if m:
+        return f"{name[: m.start()]}.mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"
     return name
 
 

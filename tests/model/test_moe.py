@@ -133,3 +133,47 @@ def test_the_model_config_carries_the_expert_layout_of_the_process_groups(distri
         build.build_model(arch)
     config = seen["config"]
     assert config.expert_model_parallel_size == 2 and config.expert_tensor_parallel_size == 1
+
+
+def _module_with(params: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose named_parameters are exactly ``params``' names."""
+    root = torch.nn.Module()
+    for name, t in params.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
+    return root
+
+
+def test_grouped_expert_weights_map_to_the_canonical_names(distributed, tmp_path):
+    """The GPU spec's TEGroupedMLP holds local expert j's linear as ``experts.linear_fc1.weight<j>``
+    (megatron/core/extensions/transformer_engine.py:1746-1754 in 0.16.1: TEGroupedLinear's sharded state dict maps
+    ``weight{gemm_idx}`` to local expert gemm_idx, global index ep_rank * num_gemms + gemm_idx); the converter's
+    canonical names are SequentialMLP's ``experts.local_experts.<j>.linear_fc1.weight``. A model with the grouped
+    names loads the HF checkpoint (no "missing tensors") and gives back the same tensors for export."""
+    from megamu.convert.tp import full_state_dict, load_full_state_dict
+    from megamu.model.spec import canonical_param_name
+
+    hf_dir = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3, vocab_size=300)
+    arch = ModelArch.from_hf(hf_dir)
+    model = build_model(arch)
+    load_hf_into_model(model, arch, hf_dir)
+    canonical = {n: t.clone() for n, t in full_state_dict(model, arch)}
+    grouped = {}
+    for name, p in model.named_parameters():  # the same tensors under TEGroupedMLP's names
+        if ".local_experts." in name:
+            head, rest = name.split(".local_experts.")
+            j, linear, leaf = rest.split(".")
+            name = f"{head}.{linear}.{leaf}{j}"
+        grouped[name] = p.detach()
+    assert any(n.endswith("mlp.experts.linear_fc1.weight0") for n in grouped)
+    assert {canonical_param_name(n) for n in grouped} == set(canonical)
+    te_like = _module_with(grouped)
+    load_full_state_dict(te_like, arch, canonical.__getitem__, names=canonical)  # raises on missing/unexpected
+    back = dict(full_state_dict(te_like, arch))
+    assert set(back) == set(canonical)
+    assert all(torch.equal(back[n], canonical[n]) for n in canonical)

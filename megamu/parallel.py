@@ -182,6 +182,19 @@ def ep_size() -> int:
     return parallel_state.get_expert_model_parallel_world_size()
 
 
+def ep_agreed_count(n: int, device: torch.device) -> int:
+    """The largest ``n`` over this rank's expert-parallel group (``n`` itself at EP 1). Every MoE layer's forward and
+    backward is a collective over that group (the token dispatcher's all-to-all), so its ranks must run the same
+    number of micro-batches even when their data-parallel shares differ."""
+    if ep_size() == 1:
+        return n
+    from megatron.core import parallel_state
+
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+    return int(t.item())
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

@@ -263,9 +263,10 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         # the expert layout process groups were built with: TE's grouped linear marks expert weights as not
-        # all-reduced over data parallel only when it reads EP > 1 here (extensions/transformer_engine.py)
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+        # all-reduced over data parallel only when it reads EP > 1 here (extensions/transformer_engine.py); a dense
+        # model has no experts to lay out (megatron refuses EP > 1 without num_moe_experts)
+        expert_model_parallel_size=ep if arch.num_experts else 1,
+        expert_tensor_parallel_size=etp if arch.num_experts else None,
         params_dtype=params_dtype,
         bf16=bf16,
         pipeline_dtype=params_dtype,

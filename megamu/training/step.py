@@ -96,6 +96,7 @@ def train_step(
     local = [local[i] for i in length_order(local, share_prompts)]
     micro_batches = (split_micro_batches(local, micro_batch_size, max_tokens_per_micro_batch, share_prompts)
                      if local else [])
+    padding = parallel.ep_agreed_count(len(micro_batches), device) - len(micro_batches)
 
     # Sums over this rank's micro-batches, all-reduced over DP below.
     sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", "read_tokens",
@@ -129,6 +130,8 @@ def train_step(
         if mb_tok:
             log_ratio_min = min(log_ratio_min, st["log_ratio_min"])
 
+    zero_weight_passes(model, samples, padding, device=device, temperature=temperature, share_prompts=share_prompts,
+                       backward=True)
     grad_norm, lr = optimizer.step()
 
     keys = list(sums)
@@ -173,6 +176,21 @@ def train_step(
     return metrics
 
 
+def zero_weight_passes(model, samples: list[RolloutSample], count: int, *, device: torch.device, temperature: float,
+                       share_prompts: bool, backward: bool) -> None:
+    """``count`` forward (and backward) passes of the minibatch's shortest sample that change nothing: a rank whose
+    share has fewer micro-batches than another of its expert-parallel group still enters each of the group's MoE
+    collectives (``parallel.ep_agreed_count``). Their gradient is exactly zero and no statistic counts them."""
+    if not count:
+        return
+    filler = min(samples, key=lambda s: len(s.prompt_ids) + s.response_length)
+    batch = pack([filler], share_prompts).to(device)
+    for _ in range(count):
+        logp, _ = response_logprobs(model, batch, temperature=temperature)
+        if backward:
+            (logp.sum() * 0.0).backward()
+
+
 @torch.no_grad()
 def compute_logprobs(
     model, samples: list[RolloutSample], *, temperature: float = 1.0, micro_batch_size: int = 8,
@@ -187,13 +205,16 @@ def compute_logprobs(
     order = [mine[i] for i in length_order([samples[i] for i in mine], share_prompts)]
     results: dict[int, list[float]] = {}
     done = 0
-    for chunk in split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch,
-                                     share_prompts):
+    chunks = split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch,
+                                 share_prompts) if order else []
+    for chunk in chunks:
         batch = pack(chunk, share_prompts).to(device)
         logp, _ = response_logprobs(model, batch, temperature=temperature)
         for i, values in zip(order[done : done + len(chunk)], unpack_response(logp, batch)):
             results[i] = values
         done += len(chunk)
+    zero_weight_passes(model, samples, parallel.ep_agreed_count(len(chunks), device) - len(chunks), device=device,
+                       temperature=temperature, share_prompts=share_prompts, backward=False)
     if size > 1:
         gathered = parallel.all_gather_object(results, group=parallel.dp_group())
         results = {k: v for part in gathered for k, v in part.items()}

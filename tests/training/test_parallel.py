@@ -1,6 +1,7 @@
 """Two ranks under torchrun (gloo): DP=2 gradient invariance for every aggregation, TP=1 vs TP=2 after one update,
 checkpoints saved at TP=2 loaded at TP=1 and back (see workers/parallel_worker.py for the assertions)."""
 
+import json
 import re
 from pathlib import Path
 
@@ -36,3 +37,21 @@ def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
     with pytest.raises(AssertionError, match="failed") as failure:  # the control: same wait through the default group
         run_torchrun(WAIT_WORKER, 2, "barrier", str(tmp_path), timeout=120)
     assert "rank 1 initialised" in str(failure.value) and "Timed out" in str(failure.value)
+
+
+def test_expert_parallel_ranks_run_the_same_number_of_micro_batches(tmp_path):
+    """Every MoE layer's forward and backward is a collective over the expert-parallel group: megatron-core 0.16.1's
+    MoEAlltoAllTokenDispatcher exchanges tokens with ``all_to_all(self.ep_group, ...)`` in ``token_dispatch`` and
+    back in ``token_combine`` (transformer/moe/token_dispatcher.py:666 and :810), and autograd runs them again in the
+    backward. EP ranks are different
+    data-parallel ranks, so a rank whose share is all zero-advantage (skipped) or shorter must still enter as many
+    passes as the others: padded with zero-weight passes that leave its gradient at exactly zero."""
+    hf = tmp_path / "hf"
+    save_tiny_model(hf, "llama", 0)  # written once here, read by both ranks
+    out = tmp_path / "rows.json"
+    run_torchrun(Path(__file__).parent / "workers" / "ep_agree_worker.py", 2, str(hf), str(out), timeout=240)
+    (train0, lp0, real0, grad0), (train1, lp1, real1, grad1) = json.loads(out.read_text())
+    assert real0 == 0 and real1 > 0  # rank 0 had nothing to train, rank 1 had its share
+    assert train0 == train1 == real1  # rank 0 entered rank 1's number of passes
+    assert grad0 == 0.0 and grad1 > 0.0  # the padding passes are zero-weight
+    assert lp0 == lp1 == 2  # log-prob shares of 2 and 1 samples at micro-batch 1

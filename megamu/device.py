@@ -7,8 +7,10 @@ differ: the process-group backend (``megamu.parallel``), the layer implementatio
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +70,30 @@ class Device:
 
 
 CPU = Device("cpu")
+
+
+def expandable_segments_on(env: dict[str, str] | None = None) -> bool:
+    """Whether the caching allocator was told to use expandable segments (PYTORCH_ALLOC_CONF, or the older
+    PYTORCH_CUDA_ALLOC_CONF, which torch reads when the first is unset)."""
+    env = os.environ if env is None else env
+    conf = env.get("PYTORCH_ALLOC_CONF", env.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    return any(o.replace(" ", "") == "expandable_segments:True" for o in conf.split(","))
+
+
+@contextlib.contextmanager
+def ipc_shareable_allocations(on_cuda: bool) -> Iterator[None]:
+    """CUDA blocks allocated inside open in another process from a plain cudaIpc handle. Under expandable segments
+    torch exports a block as a POSIX fd that the receiver fetches with pidfd_getfd, which needs ptrace rights over the
+    sender and is refused in most containers; torch's allocator can turn expandable segments off for the allocations
+    meant to cross processes and back on after (c10/cuda/CUDACachingAllocator.cpp, Note [Expandable Segments]).
+    Nothing to do on CPU or when they are off."""
+    if not (on_cuda and expandable_segments_on()):
+        yield
+        return
+    import torch
+
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -25,6 +25,8 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing.reductions as reductions
 
+from megamu.device import ipc_shareable_allocations
+
 _CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (stable for years)
 
 
@@ -68,7 +70,8 @@ def serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.
     """One server rank's payload for a bucket: the tensors back to back and where each lies, pickled with
     torch.multiprocessing's reductions (handles, not bytes) and base64-encoded for JSON; and the flat tensor the
     handles point into, which must stay alive until the server has read it."""
-    flat = flatten([t for _, t in named])
+    with ipc_shareable_allocations(any(t.is_cuda for _, t in named)):  # the flat bucket's handle opens elsewhere
+        flat = flatten([t for _, t in named])
     metadata, offset = [], 0
     for name, t in named:
         size = t.numel() * t.element_size()

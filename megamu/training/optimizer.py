@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megamu import parallel
 from megamu.device import CPU, Device
 from megamu.errors import ConfigError
+from megamu.training.host_mirror import HostMirror, device_tensors
 from megamu.training.memory import TrainerMemory, spill, storage_bytes, unspill
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -250,6 +251,7 @@ class MegatronDistributedAdam(SkipCounter):
         from megatron.core.optimizer import get_megatron_optimizer
 
         super().__init__(cfg)
+        self._mirror = HostMirror(pin=True)  # the optimiser's host copies, kept between refreshes
         config = model.config
         config.calculate_per_token_loss = True  # our loss is pre-scaled by global counts: DDP must sum, not average
         self.ddp = DistributedDataParallel(
@@ -367,7 +369,8 @@ class MegatronDistributedAdam(SkipCounter):
         buffer that the buffer offload empties. ``spill_dir`` is unused (host memory holds the copies)."""
         torch.cuda.synchronize()
         self.opt.zero_grad()  # main-param .grad views into the grad buffer; the next update starts from zero
-        self.opt.offload_to_cpu()
+        # megatron's offload_to_cpu, into pinned host buffers reused by every refresh
+        self._mirror.offload(device_tensors(o.optimizer for o in self._optimizers()))
         self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
         for buffer in self._buffers():
             buffer.offload_to_cpu(move_params=True, move_grads=False)
@@ -379,7 +382,7 @@ class MegatronDistributedAdam(SkipCounter):
         for buffer in self._buffers():
             buffer.reload_from_cpu(move_params=True, move_grads=False)
         self.ddp.restore_grad_buffers(synchronize=False)
-        self.opt.restore_from_cpu()
+        self._mirror.reload()
         torch.cuda.synchronize()
 
     def memory(self) -> TrainerMemory:

@@ -1,0 +1,53 @@
+"""The optimiser's offload around each rollout: one host buffer per tensor, reused by every refresh, bitwise back.
+
+megatron-core 0.16.1's ``MegatronOptimizer.offload_to_cpu`` (megatron/core/optimizer/optimizer.py:344-362) moves each
+tensor with ``p.data = p.data.cpu()`` / ``state_dict[k] = v.cpu()``: a new pageable host tensor per tensor per
+refresh. The GPU path (MegatronDistributedAdam) now offloads through HostMirror(pin=True); this checks the same
+logic on CPU tensors (pinning needs CUDA)."""
+
+import torch
+
+from megamu.training.host_mirror import HostMirror, device_tensors
+
+
+def _state(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(64, 32, generator=g), torch.randn(17, generator=g), torch.randn(3, 5, generator=g).double()]
+
+
+def test_offload_reload_is_bitwise_and_keeps_the_tensors():
+    tensors = _state(0)
+    want = [t.clone() for t in tensors]
+    ids, ptrs = [id(t) for t in tensors], [t.data_ptr() for t in tensors]
+    mirror = HostMirror(pin=False)
+    mirror.offload(tensors)
+    assert all(t.data_ptr() != p for t, p in zip(tensors, ptrs))  # the data left its storage
+    mirror.reload()
+    assert [id(t) for t in tensors] == ids  # the same objects: references to them stay valid
+    assert all(torch.equal(t, w) and t.dtype == w.dtype for t, w in zip(tensors, want))
+
+
+def test_host_buffers_are_allocated_once_and_reused_by_every_refresh():
+    tensors = _state(1)
+    mirror = HostMirror(pin=False)
+    mirror.offload(tensors)
+    first = [t.data_ptr() for t in tensors]  # offloaded: the tensors live in the mirror's buffers
+    size = mirror.host_bytes()
+    mirror.reload()
+    for step in range(3):  # an update changes the values between refreshes; the buffers stay
+        for t in tensors:
+            t.add_(step + 1)
+        want = [t.clone() for t in tensors]
+        mirror.offload(tensors)
+        assert [t.data_ptr() for t in tensors] == first and mirror.host_bytes() == size
+        mirror.reload()
+        assert all(torch.equal(t, w) for t, w in zip(tensors, want))
+
+
+def test_only_device_tensors_move():
+    """torch's AdamW (megatron's fallback without TE/apex) keeps a per-parameter ``step`` on the host: not moved."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    assert device_tensors([opt]) == []  # on a CPU machine nothing is on a CUDA device

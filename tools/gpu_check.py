@@ -9,6 +9,8 @@ Checks, on a random Qwen2-shaped model (~0.5B: Qwen2.5-0.5B's shape; tiny with -
             against the H200's dense bf16 peak; attention flops not counted, so MFU is a lower bound)
   offload   --offload-train's hand-off: the device memory the trainer's tensors held is freed, and comes back bitwise
   checkpoint save and load into a fresh model: weights and Adam moments bitwise; size on disk
+  plan ...  the memory plan against measured peaks, buckets: push-bucket allocation, ep-agree: EP micro-batch
+            agreement at EP = 1 (tools/gpu_check_path.py says what each proves)
   stage     pretrain_mu_grpo.py, one μ-GRPO stage of 2 updates, in-process engine, end to end
 transformer-engine and SGLang are not on the stock image: the local layer spec (torch SDPA) and the in-process engine
 stand in for them. Exit status 1 when a check fails; the table also goes to --out as JSON.
@@ -36,6 +38,9 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
                  num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
 
 
+CHECKS = ("train", "offload", "checkpoint", "plan", "buckets", "ep-agree", "stage")
+
+
 @dataclass
 class Row:
     check: str
@@ -52,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; 48 with --dry-run)")
     p.add_argument("--samples", type=int, default=32, help="samples per update (groups of 8)")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--only", nargs="+", choices=("train", "offload", "checkpoint", "stage"), default=None)
+    p.add_argument("--only", nargs="+", choices=CHECKS, default=None)
     p.add_argument("--out", default=None, help="JSON report path (default: a temp file)")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.dry_run else 5)
@@ -156,10 +161,14 @@ def check_offload(cuda, model, opt, spill_dir: Path) -> Row:
     train = opt.memory()
     sync(cuda)
     before = torch.cuda.memory_allocated() if cuda else 0
-    opt.offload(spill_dir)
+    start = time.perf_counter()
+    opt.offload(spill_dir)  # GPU: into pinned host buffers (megamu.training.host_mirror), synchronised
+    t_out = time.perf_counter() - start
     rollout = opt.memory()
     freed = before - torch.cuda.memory_allocated() if cuda else train.total - rollout.total
+    start = time.perf_counter()
     opt.reload()
+    t_back = time.perf_counter() - start
     bitwise = all(torch.equal(p.detach(), params[n]) for n, p in named) and all(
         torch.equal(opt.param_state(p)[k], states[n][k]) for n, p in named if n in states for k in states[n])
     expected = train.total - rollout.total
@@ -167,6 +176,7 @@ def check_offload(cuda, model, opt, spill_dir: Path) -> Row:
     ok = bitwise and freed >= expected and (back.params, back.main_params, back.moments) == (
         train.params, train.main_params, train.moments)
     return Row("offload", ok, f"freed {size(freed)} (expected {size(expected)}), bitwise {bitwise}",
+               f"out {t_out:.2f} s, back {t_back:.2f} s ({expected / 2**30 / max(t_out, 1e-9):.1f} GiB/s out), "
                f"trainer_mem_train_gib {train.gib():.2f} {train.to_dict()}, trainer_mem_rollout_gib "
                f"{rollout.gib():.2f}")
 
@@ -236,11 +246,11 @@ def run_checks(args) -> list[Row]:
     torch.manual_seed(0)
     if not cuda:
         torch.set_num_threads(1)
-    only = set(args.only or ("train", "offload", "checkpoint", "stage"))
+    only = set(args.only or CHECKS)
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         tmp = Path(tmp)
-        if only & {"train", "offload", "checkpoint"}:
+        if only & {"train", "offload", "checkpoint", "plan", "buckets", "ep-agree"}:
             from megamu.device import Device
 
             parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device("cuda" if cuda else "cpu"))
@@ -253,9 +263,35 @@ def run_checks(args) -> list[Row]:
             if "train" not in only:
                 rows = [r for r in rows if r.check != "train"]
             del model, opt
+            rows += path_rows(args, cuda, only)
             parallel.destroy_distributed()
         if "stage" in only:
             rows.append(check_stage(cuda, tmp))
+    return rows
+
+
+def path_rows(args, cuda: bool, only: set[str]) -> list[Row]:
+    """The colocated path's checks (tools/gpu_check_path.py): plan vs measured peaks, push buckets, EP agreement."""
+    from tools import gpu_check_path as path
+
+    rows = []
+    if "plan" in only:
+        from megamu.tiny import tiny_hf_config
+
+        config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
+        samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)
+        for mbs in (args.micro_batch_size // 2 or 1, args.micro_batch_size):
+            for recompute in (None, "full"):
+                p = path.plan_point(config, mbs, recompute, args.seq_len, args.seq_len // 4, cuda, samples)
+                ok, verdict = path.compare(p)
+                measured = (f", measured {size(p.measured_state)} + {size(p.measured_step)}"
+                            if p.measured_state is not None else "")
+                rows.append(Row(f"plan mb{mbs}{'-rc' if recompute else ''}", ok, verdict,
+                                f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}{measured}"))
+    if "buckets" in only:
+        rows.append(Row("buckets", *path.bucket_is_shareable(cuda)))
+    if "ep-agree" in only:
+        rows.append(Row("ep-agree", *path.ep_agreement(cuda)))
     return rows
 
 

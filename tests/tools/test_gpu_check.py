@@ -39,6 +39,7 @@ def test_arguments():
     assert (args.dry_run, args.steps, args.seq_len, args.samples) == (False, 5, 2048, 32)
     args = gpu_check.parse_args(["--dry-run", "--only", "train", "offload"])
     assert (args.steps, args.seq_len, args.only) == (2, 48, ["train", "offload"])
+    assert gpu_check.parse_args(["--only", "plan", "buckets", "ep-agree"]).only == ["plan", "buckets", "ep-agree"]
     for bad in (["--samples", "12"], ["--seq-len", "8"], ["--only", "nope"]):
         with pytest.raises(SystemExit):
             gpu_check.parse_args(bad)
@@ -67,3 +68,28 @@ def test_dry_run_checks_pass_on_cpu(tmp_path):
     assert [r["check"] for r in report["rows"]] == ["train", "offload", "checkpoint"]
     assert all(r["ok"] for r in report["rows"])
     assert re.search(r"^offload\s+PASS", proc.stdout, flags=re.M)
+
+
+def test_plan_rows_refuse_an_under_estimate():
+    """The plan passes only when neither the trainer state nor the step's peak is above what it planned."""
+    from tools.gpu_check_path import LOOSE, PlanPoint, compare
+
+    point = dict(micro_batch_size=2, recompute=None, planned_state=100, planned_step=50)
+    assert compare(PlanPoint(**point))[0]  # nothing measured (CPU): the plan alone
+    ok, verdict = compare(PlanPoint(**point, measured_state=90, measured_step=50))
+    assert ok and "covers" in verdict and "loose" not in verdict
+    assert not compare(PlanPoint(**point, measured_state=101, measured_step=10))[0]
+    ok, verdict = compare(PlanPoint(**point, measured_state=100, measured_step=51))
+    assert not ok and "step" in verdict
+    assert "loose" in compare(PlanPoint(**point, measured_state=50, measured_step=150 // LOOSE - 50 - 1))[1]
+
+
+def test_path_checks_run_on_cpu(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", "plan",
+                           "buckets", "ep-agree", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["check"] for r in rows] == ["plan mb2", "plan mb2-rc", "plan mb4", "plan mb4-rc", "buckets", "ep-agree"]
+    assert all(r["ok"] for r in rows)

@@ -29,10 +29,12 @@ class HostMirror:
     def offload(self, tensors: Iterable[torch.Tensor]) -> None:
         if self._moved:
             raise RuntimeError("HostMirror.offload: the tensors are already offloaded")
+        old, self._host = self._host, {}  # buffers of tensors no longer given (a checkpoint load replaced them) go
         for t in tensors:
-            h = self._host.get(id(t))
+            h = old.get(id(t))
             if h is None or h.shape != t.shape or h.dtype != t.dtype:
-                h = self._host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+            self._host[id(t)] = h
             h.copy_(t.data, non_blocking=self.pin)
             self._moved.append((t, t.device))
         if self.pin:

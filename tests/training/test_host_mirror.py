@@ -51,3 +51,15 @@ def test_only_device_tensors_move():
     p.grad = torch.ones(4)
     opt.step()
     assert device_tensors([opt]) == []  # on a CPU machine nothing is on a CUDA device
+
+
+def test_buffers_of_tensors_no_longer_given_are_dropped():
+    """A checkpoint load may replace optimiser tensors: their old host buffers must not stay pinned for the run."""
+    a, b = _state(2)[:2]
+    mirror = HostMirror(pin=False)
+    mirror.offload([a, b])
+    mirror.reload()
+    both = mirror.host_bytes()
+    mirror.offload([a])
+    mirror.reload()
+    assert mirror.host_bytes() == both - b.numel() * b.element_size()

@@ -30,6 +30,7 @@ from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
 from megamu.run_dir import RunDir
+from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
@@ -70,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from (default: --save)")
+    g.add_argument("--load", default=None,
+                   help="a new run's start point: an earlier run's checkpoint directory (its progress continues); "
+                        "a restart always resumes from --save's own latest checkpoint")
+    g.add_argument("--pretrained-checkpoint", "--ref-load", dest="pretrained_checkpoint", default=None,
+                   help="a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's "
+                        "--ref-load): weights only, update 0; --load and --save's checkpoints come first")
     g.add_argument("--save-interval", type=int, default=_default(RunConfig, "save_interval"),
                    help="updates between checkpoints (0: stage ends only)")
     g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
@@ -179,10 +185,21 @@ def check_paths(args: argparse.Namespace) -> None:
         for f in args.prompt_data.split(","):
             if not os.path.exists(f):
                 missing.append(("--prompt-data", f"{f} does not exist"))
+    missing += start_point_errors(args)
     for flag, message in missing:
         if not args.dry_run:
             _error(flag, message)
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
+
+
+def start_point_errors(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """A new run's --load / --pretrained-checkpoint must hold a checkpoint (a typo would start from the HF weights
+    unnoticed); once --save holds one, restarts resume from it and the start point is not read."""
+    if latest_checkpoint(args.save) is not None:
+        return []
+    return [(flag, f"{path} holds no checkpoint (no {TRACKER})") for flag, path in
+            (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint))
+            if path and Path(path) != Path(args.save) and latest_checkpoint(path) is None]
 
 
 def hf_config(args: argparse.Namespace) -> dict | None:
@@ -253,7 +270,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
     policy = _config(
         PolicyConfig, hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
-        load_dir=Path(args.load or args.save), offload_dir=RunDir(save).offload,
+        load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
+        pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,

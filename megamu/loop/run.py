@@ -38,8 +38,11 @@ class Run:
             self.state.load_state_dict(saved)
             if self.plan.rollout_mode != "async" and self.state.update >= (self.state.stage + 1) * self.plan.mu:
                 self.state.stage += 1  # saved at a stage's end: its rollout and updates are done
-            _print(f"resumed from {cfg.policy.load_dir}: update {self.state.update} of {self.plan.total_updates}"
+            how = "resumed from" if self.policy.resumed else "started from the earlier run in"
+            _print(f"{how} {self.policy.loaded_from}: update {self.state.update} of {self.plan.total_updates}"
                    + ("" if self.plan.rollout_mode == "async" else f" (stage {self.state.stage})"))
+        elif self.policy.loaded_from != self.policy.hf_source:
+            _print(f"a new run from the weights in {self.policy.loaded_from}")
         self.metrics = MetricsLogger(str(cfg.save), cfg.tensorboard_dir, enabled=parallel.is_main_rank(),
                                      elapsed_offset=self.state.elapsed)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)

@@ -44,7 +44,8 @@ from megamu.training.checkpoint_dirs import (
     _set_rng_state,
     _world,
     iteration_dir,
-    latest_iteration,
+    latest_checkpoint,
+    latest_iteration,  # noqa: F401  (megamu.training re-exports it)
     publish,
 )
 
@@ -184,10 +185,10 @@ def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> 
     checkpoint without megamu's run state (Megatron-LM's) loads its weights, and its Adam moments when it has them,
     and returns ``{"iteration": N, "run_state": False}``: the caller starts a new run from those weights.
     """
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
+    found = latest_checkpoint(load_dir)
+    if found is None:
         return None
-    folder = iteration_dir(load_dir, iteration)
+    iteration, folder = found
     if not (folder / "metadata.json").exists():
         from megamu.training.checkpoint_legacy import LEGACY_STATE, load_legacy_checkpoint
 
@@ -296,10 +297,10 @@ def load_model_checkpoint(load_dir: str | Path, model) -> int:
     its iteration."""
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
+    found = latest_checkpoint(load_dir)
+    if found is None:
         raise CheckpointError(f"{load_dir}: no {TRACKER}, no checkpoint")
-    folder = iteration_dir(load_dir, iteration)
+    iteration, folder = found
     loaded = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()}, str(folder))
     unwrap(model).load_state_dict(loaded["model"])
     return iteration

@@ -247,3 +247,48 @@ def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, t
     for (n, a), (_, b) in zip(model.named_parameters(), policy.model.named_parameters()):
         assert torch.equal(a, b), n  # the checkpoint's weights, not the HF folder's
         assert torch.equal(opt.param_state(a)["exp_avg"], policy.optimizer.param_state(b)["exp_avg"]), n
+
+
+def test_a_release_tracker_names_the_release_folder(run, tmp_path):
+    """Megatron-LM's read_metadata (megatron/training/checkpointing.py) takes a tracker reading "release" as
+    iteration 0 in <load>/release; slime's converter writes that layout. Its weights start a new run."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    converted = tmp_path / "converted"
+    shutil.copytree(run["path"], converted / "release")
+    (converted / "release" / "megamu_state.json").unlink()  # a converter writes weights, no run state
+    (converted / "latest_checkpointed_iteration.txt").write_text("release")
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(converted, model, run["arch"], opt) == {"iteration": 0, "run_state": False}
+    assert torch.equal(model.embedding.word_embeddings.weight, run["saved_embedding"])
+    policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
+                                 save_dir=tmp_path / "save", load_dir=None, offload_dir=tmp_path / "offload",
+                                 pretrained_checkpoint=converted))
+    assert policy.load_latest() is None and policy.loaded_from == converted and not policy.resumed
+    assert torch.equal(policy.model.embedding.word_embeddings.weight, run["saved_embedding"])
+    (converted / "latest_checkpointed_iteration.txt").write_text("relase")
+    with pytest.raises(CheckpointError, match="relase"):
+        load_checkpoint(converted, model, run["arch"], opt)
+
+
+def test_the_runs_own_checkpoint_comes_before_its_start_point(run, tmp_path):
+    """--load A --save B: B's checkpoint, once there is one, is where a restart resumes; A is only the start."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    start, own = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(run["root"] / "save", start)
+    cfg = dict(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG, save_dir=own, load_dir=start,
+               offload_dir=tmp_path / "offload")
+    policy = Policy(PolicyConfig(**cfg))
+    assert policy.load_latest() == {"stage": 2, "update_offset": 9, "iteration": 1}
+    assert policy.loaded_from == start and not policy.resumed
+    policy.save(5, extra={"stage": 3, "update_offset": 0})
+    again = Policy(PolicyConfig(**cfg))
+    assert again.load_latest() == {"stage": 3, "update_offset": 0, "iteration": 5}
+    assert again.loaded_from == own and again.resumed

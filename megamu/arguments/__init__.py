@@ -96,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
     g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
     g.add_argument("--skip-bad-rows", action="store_true")
-    g.add_argument("--reward-fn", default=None,
-                   help="module:function(response, ground_truth) -> float; overrides --reward")
+    g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
+                   help="module:function, file.py:function or module.function (slime's --custom-rm-path); "
+                        "fn(response, ground_truth), verl's compute_score(data_source, solution_str, ground_truth, "
+                        "extra_info) or slime's custom_rm(args, sample), detected; overrides --reward")
     add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")

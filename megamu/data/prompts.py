@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamu.data.code_tests import tests_json
+from megamu.reward.signatures import RowMeta
 
 # The paper's instruction, appended to every problem after a space.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -32,6 +33,7 @@ class PromptRecord:
     prompt_ids: list[int]
     answer: str
     problem: str
+    meta: RowMeta = field(default_factory=RowMeta)  # the row's data_source and extra_info, for the reward
 
 
 def _read_rows(path: Path) -> list[dict]:

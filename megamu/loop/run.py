@@ -95,6 +95,7 @@ class Run:
                          truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
                          all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length,
                          **({"servers": m.extra["servers"]} if m.extra.get("servers") else {}),  # per SGLang server
+                         **{k: m.extra.get(k, 0) for k in ("reward_errors", "reward_timeouts")},
                          **self.policy.memory_record())
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")

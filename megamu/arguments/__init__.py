@@ -92,8 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    g.add_argument("--prompt-key", default=_default(PromptsConfig, "prompt_key"))
-    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
+    g.add_argument("--prompt-key", "--input-key", dest="prompt_key", default=_default(PromptsConfig, "prompt_key"),
+                   help="the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' "
+                        "messages are read when this column is absent")
+    g.add_argument("--answer-key", "--label-key", dest="answer_key", default=None,
+                   help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
+                        "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
+    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="render prompts through the tokenizer's chat template (default: when it has one)")
+    g.add_argument("--instruction", default=None,
+                   help="text appended to each text problem (default: the paper's step-by-step \\boxed{} "
+                        "instruction; '' for none); message rows carry their own")
     g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
     g.add_argument("--skip-bad-rows", action="store_true")
     g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
@@ -301,6 +310,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
+        instruction=args.instruction, chat_template=args.apply_chat_template,
         max_response_len=args.rollout_max_response_len)
     return _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,

@@ -20,3 +20,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def compute_score_typo(data_source, solution_str, ground_truth, extra_info=None):
     """A verl user's function that fails on every call (a key their rows do not have)."""
     return float(extra_info["answer"] in solution_str)
+
+
+async def custom_rm(args, sample):
+    """slime's signature: the row's metadata column reaches the Sample (and a label it must see)."""
+    assert sample.label.isdigit(), sample.label
+    return sample.metadata["weight"]

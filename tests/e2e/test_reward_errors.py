@@ -22,3 +22,19 @@ def test_a_reward_function_that_always_raises_stops_the_run_at_its_first_shard(t
         assert part in proc.stderr, part
     assert not list((save / "rollouts" / "stage_0").glob("*.parquet"))  # no shard scored with zeros was kept
     assert not records(save, "update") if (save / "metrics.jsonl").exists() else True
+
+
+def test_slime_message_rows_and_custom_rm_train(tiny, tmp_path):  # noqa: F811
+    """Issue #33, item 3 as a slime user runs it: message rows, --input-key/--label-key/--apply-chat-template,
+    --custom-rm-path with a coroutine reading the row's metadata."""
+    import json
+
+    data = tmp_path / "dapo.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + 1 = ?"}], "label": str(i + 1),
+                                        "metadata": {"weight": 0.25}}) + "\n" for i in range(24)))
+    save = tmp_path / "slime"
+    proc = launch([*flags(tiny, save), "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+                   "--apply-chat-template", "--custom-rm-path", "tests.e2e.rewards.custom_rm"],
+                  env={"MEGAMU_CRASH_AFTER": "stage:0"}, check=False)
+    stage, = records(save, "stage")
+    assert stage["reward_mean"] == 0.25 and stage["reward_errors"] == 0, proc.stderr[-2000:]

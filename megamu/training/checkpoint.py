@@ -48,6 +48,7 @@ from megamu.training.checkpoint_dirs import (
     latest_iteration,  # noqa: F401  (megamu.training re-exports it)
     publish,
 )
+from megamu.training.megatron_schema import CHECKPOINT_VERSION, megatron_entries
 
 RUN_STATE = "megamu_state.json"
 FORMAT = "megamu-run-state-2"
@@ -150,8 +151,11 @@ def save_checkpoint(
     tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
     model_sd = unwrap(model).sharded_state_dict()
     opt_sd, steps = _optimizer_sharded(model, model_sd, optimizer, templates=False)
+    bf16 = any(p.dtype == torch.bfloat16 for p in unwrap(model).parameters())
     sharded = {"model": model_sd, "optimizer": opt_sd, "optimizer_steps": steps, "iteration": iteration,
-               "checkpoint_version": 3.0}  # Megatron-LM's top-level names and checkpoint version
+               "checkpoint_version": CHECKPOINT_VERSION,  # Megatron-LM's top-level names, and what it reads besides
+               **megatron_entries(arch, iteration, optimizer.cfg, plan=extra.get("plan"), world=world,
+                                  hf_source_dir=str(hf_source_dir) if hf_source_dir is not None else None, bf16=bf16)}
     error = None
     try:
         _write_sharded(sharded, tmp)

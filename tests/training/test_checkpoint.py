@@ -292,3 +292,44 @@ def test_the_runs_own_checkpoint_comes_before_its_start_point(run, tmp_path):
     again = Policy(PolicyConfig(**cfg))
     assert again.load_latest() == {"stage": 3, "update_offset": 0, "iteration": 5}
     assert again.loaded_from == own and again.resumed
+
+
+def test_common_state_holds_what_megatron_lms_load_checkpoint_reads(run):
+    """NVIDIA/Megatron-LM megatron/training/checkpointing.py at d98e8a6: generate_state_dict (:1556-1635) writes
+    args / checkpoint_version / iteration / opt_param_scheduler / rng_state; load_checkpoint reads args' TP/PP
+    (:2559-2562), check_checkpoint_args compares the model's shape (:176-220), consumed_train_samples (:2878)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(run["path"]))
+    assert common["iteration"] == 1 and common["checkpoint_version"] == 3.0
+    hf = json.loads((run["root"] / "hf" / "config.json").read_text())  # the model's own description
+    args = common["args"]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.max_position_embeddings) == (
+        hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"], hf["max_position_embeddings"])
+    assert args.add_position_embedding is False and args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.padded_vocab_size % args.make_vocab_size_divisible_by == 0 >= hf["vocab_size"] - args.padded_vocab_size
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.iteration) == (1, 1, 1)
+    # a CPU process has no CUDA RNG: Megatron-LM skips the RNG when no_save_rng is set (:2572-2595, :3071)
+    assert args.no_save_rng is True and "rng_state" not in common
+    assert set(common["opt_param_scheduler"]) == {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style",
+                                                  "lr_decay_steps", "min_lr", "start_wd", "end_wd", "wd_incr_style",
+                                                  "wd_incr_steps"}
+
+
+def test_the_scheduler_state_gives_megatrons_scheduler_megamus_learning_rate():
+    """megatron-core's own OptimizerParamScheduler, loaded from what megamu writes, gives megamu's LR past warmup
+    and the weight decay (in warmup Megatron-LM's update N uses N/W of the LR, megamu's (N+1)/W)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megamu.training.megatron_schema import opt_param_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    for iteration in (3, 5, 40):
+        state = opt_param_scheduler(CFG, iteration, samples_per_update=16, total_updates=64)
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=1,
+                                        lr_decay_steps=2, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=2, wd_incr_style="constant",
+                                        use_checkpoint_opt_param_scheduler=True)
+        sched.load_state_dict(state)
+        assert sched.get_lr(opt.param_groups[0]) == pytest.approx(CFG.lr_at(iteration))
+        assert sched.get_wd() == pytest.approx(CFG.weight_decay)

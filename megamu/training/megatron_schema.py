@@ -77,16 +77,23 @@ def opt_param_scheduler(optimizer_cfg, iteration: int, *, samples_per_update: in
 
 
 def rng_state():
-    """Megatron-LM's ``get_rng_state`` for torch_dist (:451-510): a ShardedObject "rng_state" over (PP, TP) holding
-    this rank's [states]; None on CPU (no CUDA state, ``no_save_rng`` is set instead)."""
+    """Megatron-LM's ``get_rng_state`` for torch_dist (:451-510), this rank's states; None on CPU (no CUDA state:
+    ``no_save_rng`` is set instead)."""
     if not parallel.device().is_cuda:
         return None
     from megatron.core import tensor_parallel
+
+    return rng_sharded_object({
+        "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()})
+
+
+def rng_sharded_object(state: dict):
+    """``state`` as Megatron-LM stores it: a ShardedObject "rng_state" over (PP, TP) holding [state], one replica
+    per data-parallel rank (data_parallel_random_init off)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
     return ShardedObject("rng_state", [state], (1, parallel.tp_size()), (0, parallel.tp_rank()),
                          replica_id=parallel.dp_rank())
 

@@ -333,3 +333,24 @@ def test_the_scheduler_state_gives_megatrons_scheduler_megamus_learning_rate():
         sched.load_state_dict(state)
         assert sched.get_lr(opt.param_groups[0]) == pytest.approx(CFG.lr_at(iteration))
         assert sched.get_wd() == pytest.approx(CFG.weight_decay)
+
+
+def test_a_gpu_runs_rng_state_is_where_megatron_lm_looks_for_it(run, tmp_path, monkeypatch):
+    """The ShardedObject a GPU run writes (its CUDA states left out: no GPU here), loaded back with the template
+    Megatron-LM's get_rng_state builds for torch_dist (checkpointing.py:493-505: key "rng_state", shape (PP, TP), offset
+    (pp_rank, tp_rank))."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megamu.training import megatron_schema
+
+    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
+    monkeypatch.setattr(megatron_schema, "rng_state", lambda: megatron_schema.rng_sharded_object(state))
+    model, opt = fresh(run["arch"])
+    folder = save_checkpoint(tmp_path / "gpu", 3, model, run["arch"], opt, extra={})
+    template = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
+    loaded = dist_checkpointing.load(template, str(folder))["rng_state"]
+    assert loaded[0]["random_rng_state"] == state["random_rng_state"]
+    assert torch.equal(loaded[0]["torch_rng_state"], state["torch_rng_state"])
+    model2, opt2 = fresh(run["arch"])
+    assert load_checkpoint(tmp_path / "gpu", model2, run["arch"], opt2)["iteration"] == 3  # megamu's load ignores it

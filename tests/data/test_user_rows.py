@@ -80,3 +80,16 @@ def test_a_row_without_an_answer_names_both_keys(tmp_path, tok):
     f.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "solution": "x"}) + "\n")
     with pytest.raises(PromptDataError, match="row 1: missing or empty 'answer' and no 'reward_model.ground_truth'"):
         load_prompts([str(f)], tok)
+
+
+def test_asking_for_a_chat_template_the_tokenizer_lacks_is_an_error(tmp_path, tok):
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"problem": "1+1?", "answer": 2}) + "\n")
+    with pytest.raises(PromptDataError, match="--apply-chat-template: the tokenizer .* has no chat template"):
+        load_prompts([str(f)], plain, chat_template=True)
+    rec, = load_prompts([str(f)], plain, instruction="")  # by default: plain text, as before
+    assert plain.decode(rec.prompt_ids, skip_special_tokens=True) == "1+1?"

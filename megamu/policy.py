@@ -20,7 +20,7 @@ from megamu.device import Device
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.model import ModelArch, build_model
 from megamu.records import RolloutSample
-from megamu.training.checkpoint import load_checkpoint, save_checkpoint
+from megamu.training.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
 from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
 from megamu.training.step import compute_logprobs, train_step
@@ -33,7 +33,7 @@ class PolicyConfig:
     device: Device
     optimizer: OptimizerConfig
     save_dir: Path  # checkpoints (iter_N folders)
-    load_dir: Path  # resume from here when it holds a checkpoint
+    load_dir: Path | None  # a new run's start point (an earlier run's checkpoint); restarts resume from save_dir
     offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
     transformer_impl: str | None = None  # None: the device's default
     bf16: bool = False
@@ -45,6 +45,7 @@ class PolicyConfig:
     export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
     offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
     recompute_granularity: str | None = None  # "full" | "selective"
+    pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load_dir
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
@@ -87,18 +88,34 @@ class Policy:
         self.mem_train: TrainerMemory | None = None  # after the latest update (the optimisation's footprint)
         self.mem_rollout: TrainerMemory | None = None  # while the latest rollout ran
         self._offloaded = False
+        self.loaded_from: Path | None = None  # where load_latest took the weights from
+        self.resumed = False  # load_latest resumed this run's own checkpoint (under save_dir)
         self._cuda_train = self._cuda_rollout = None  # torch.cuda.memory_allocated at the same two points (GPU)
 
     def load_latest(self) -> dict | None:
-        """Load the latest checkpoint under load_dir (returns its ``extra``), else the initial HF weights (None).
-        A checkpoint without megamu's run state (Megatron-LM's) gives the initial weights: a new run starts (None).
+        """The resume point before the start point: the run's own latest checkpoint under save_dir, so that a restart
+        never goes back to where the run began (Megatron-LM and slime resume from --save the same way); else
+        load_dir's (an earlier run: its progress continues here); else pretrained_checkpoint's weights alone; else
+        the initial HF weights. Returns the checkpoint's ``extra``, or None for a new run (a checkpoint without
+        megamu's run state, Megatron-LM's or a converted one, gives weights: a new run starts from them).
+        ``loaded_from`` and ``resumed`` say which it was.
 
         After building the optimiser: the bf16 optimiser's fp32 main weights are refreshed from the loaded model."""
-        if Path(self.cfg.load_dir).exists():
-            extra = load_checkpoint(self.cfg.load_dir, self.model, self.arch, self.optimizer)
+        self.resumed = False
+        for folder in (self.cfg.save_dir, self.cfg.load_dir):
+            if folder is None or not Path(folder).exists():
+                continue
+            extra = load_checkpoint(folder, self.model, self.arch, self.optimizer)
             if extra is not None:
+                self.loaded_from = Path(folder)
+                self.resumed = folder == self.cfg.save_dir and extra.get("run_state", True)
                 return extra if extra.get("run_state", True) else None
+        if self.cfg.pretrained_checkpoint is not None:  # weights only: Megatron-LM's --finetune start
+            load_model_checkpoint(self.cfg.pretrained_checkpoint, self.model)
+            self.loaded_from = Path(self.cfg.pretrained_checkpoint)
+            return None
         load_hf_into_model(self.model, self.arch, self.hf_source)
+        self.loaded_from = self.hf_source
         return None
 
     @property

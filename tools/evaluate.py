@@ -48,8 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prompt-key", default="problem")
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
     g.add_argument("--reward-fn", default=None, help="module:function, as in training (overrides --reward)")
-    g.add_argument("--reward-timeout", type=float, default=None,
-                   help="seconds per response before it scores 0 (default: 5 for math, more for code)")
     g.add_argument("--reward-workers", type=int, default=None)
     add_reward_arguments(p)  # the trainer's reward flags, same spelling
     add_engine_arguments(p)  # the trainer's engine flags, same spelling
@@ -61,8 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
-    if args.reward_timeout is not None and args.reward_timeout <= 0:
-        p.error(f"--reward-timeout must be > 0, got {args.reward_timeout}")
     args.answer_key = answer_key(args)
     args.reward_config = reward_config(args)
     try:
@@ -119,8 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
         answer_key=args.answer_key, reward_fn=reward_description(args.reward_config),
     )
     spec, kwargs = args.reward_config.spec_and_kwargs()
-    timeout = args.reward_timeout or args.reward_config.item_timeout_s
-    with RewardScorer(spec, timeout_s=timeout, num_workers=args.reward_workers, fn_kwargs=kwargs) as scorer:
+    cfg = args.reward_config  # --reward-timeout and --reward-error-tolerance, as in training
+    with RewardScorer(spec, timeout_s=cfg.item_timeout_s, num_workers=args.reward_workers, fn_kwargs=kwargs,
+                      max_error_fraction=cfg.max_error_fraction) as scorer:
         summary = evaluate_checkpoints(
             checkpoints, engine_factory(args), AutoTokenizer.from_pretrained, scorer, args.benchmarks, settings, out,
             save_responses=args.save_responses, overwrite=args.overwrite,

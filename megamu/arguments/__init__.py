@@ -30,6 +30,7 @@ from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
 from megamu.run_dir import RunDir
+from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
@@ -70,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from (default: --save)")
+    g.add_argument("--load", default=None,
+                   help="a new run's start point: an earlier run's checkpoint directory (its progress continues); "
+                        "a restart always resumes from --save's own latest checkpoint")
+    g.add_argument("--pretrained-checkpoint", "--ref-load", dest="pretrained_checkpoint", default=None,
+                   help="a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's "
+                        "--ref-load): weights only, update 0; --load and --save's checkpoints come first")
     g.add_argument("--save-interval", type=int, default=_default(RunConfig, "save_interval"),
                    help="updates between checkpoints (0: stage ends only)")
     g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
@@ -86,12 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    g.add_argument("--prompt-key", default=_default(PromptsConfig, "prompt_key"))
-    g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
+    g.add_argument("--prompt-key", "--input-key", dest="prompt_key", default=_default(PromptsConfig, "prompt_key"),
+                   help="the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' "
+                        "messages are read when this column is absent")
+    g.add_argument("--answer-key", "--label-key", dest="answer_key", default=None,
+                   help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
+                        "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
+    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="render prompts through the tokenizer's chat template (default: when it has one)")
+    g.add_argument("--instruction", default=None,
+                   help="text appended to each text problem (default: the paper's step-by-step \\boxed{} "
+                        "instruction; '' for none); message rows carry their own")
     g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
     g.add_argument("--skip-bad-rows", action="store_true")
-    g.add_argument("--reward-fn", default=None,
-                   help="module:function(response, ground_truth) -> float; overrides --reward")
+    g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
+                   help="module:function, file.py:function or module.function (slime's --custom-rm-path); "
+                        "fn(response, ground_truth), verl's compute_score(data_source, solution_str, ground_truth, "
+                        "extra_info) or slime's custom_rm(args, sample), detected; overrides --reward")
     add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")
@@ -179,10 +196,21 @@ def check_paths(args: argparse.Namespace) -> None:
         for f in args.prompt_data.split(","):
             if not os.path.exists(f):
                 missing.append(("--prompt-data", f"{f} does not exist"))
+    missing += start_point_errors(args)
     for flag, message in missing:
         if not args.dry_run:
             _error(flag, message)
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
+
+
+def start_point_errors(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """A new run's --load / --pretrained-checkpoint must hold a checkpoint (a typo would start from the HF weights
+    unnoticed); once --save holds one, restarts resume from it and the start point is not read."""
+    if latest_checkpoint(args.save) is not None:
+        return []
+    return [(flag, f"{path} holds no checkpoint (no {TRACKER})") for flag, path in
+            (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint))
+            if path and Path(path) != Path(args.save) and latest_checkpoint(path) is None]
 
 
 def hf_config(args: argparse.Namespace) -> dict | None:
@@ -253,7 +281,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
     policy = _config(
         PolicyConfig, hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
-        load_dir=Path(args.load or args.save), offload_dir=RunDir(save).offload,
+        load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
+        pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
@@ -281,6 +310,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         if builtin else 0,
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
+        instruction=args.instruction, chat_template=args.apply_chat_template,
         max_response_len=args.rollout_max_response_len)
     return _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,

@@ -38,6 +38,7 @@ FLAG_OF_FIELD = {
     "startup_timeout_s": "--sglang-startup-timeout",
     "probe_period_s": "--rollout-probe-period", "probe_timeout_s": "--rollout-probe-timeout",
     "probe_misses": "--rollout-probe-misses", "max_restarts": "--rollout-max-restarts",
+    "max_error_fraction": "--reward-error-tolerance", "item_timeout": "--reward-timeout",
 }
 
 
@@ -130,6 +131,12 @@ def add_reward_arguments(p: argparse.ArgumentParser) -> None:
                    help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
     g.add_argument("--code-timeout", type=float, default=_default(RewardConfig, "timeout_s"),
                    help="code: wall-clock and CPU seconds of one program execution (one test case)")
+    g.add_argument("--reward-error-tolerance", type=float, default=_default(RewardConfig, "max_error_fraction"),
+                   help="fraction of reward calls that may raise before the run stops with the exception and one "
+                        "offending sample (default 0: a function that fails stops the run at its first shard)")
+    g.add_argument("--reward-timeout", type=float, default=None,
+                   help="seconds one reward call may take before it scores 0 (default: 5 for math and --reward-fn, "
+                        "the code reward's own limit for code); raise it for a remote judge")
 
 
 def reward_config(args: argparse.Namespace) -> RewardConfig:
@@ -143,11 +150,13 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
                 _error(flag, "only used with --reward code")
     if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
         _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
-    if args.reward_fn and ":" not in args.reward_fn:
-        _error("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    if args.reward_fn and ":" not in args.reward_fn and "." not in args.reward_fn:
+        _error("--reward-fn", f"expected module:function, file.py:function or module.function (slime's "
+                              f"--custom-rm-path), got {args.reward_fn!r}")
     return _config(RewardConfig, kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
                    sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
-                   num_workers=getattr(args, "reward_workers", None))
+                   num_workers=getattr(args, "reward_workers", None),
+                   max_error_fraction=args.reward_error_tolerance, item_timeout=args.reward_timeout)
 
 
 def answer_key(args: argparse.Namespace) -> str:

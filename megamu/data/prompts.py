@@ -1,4 +1,5 @@
-"""Prompt datasets: JSONL / Parquet rows of (problem, answer), or verl-style Parquet (chat ``prompt`` + ground truth).
+"""Prompt datasets: JSONL / JSON array / Parquet rows of (problem, answer), verl's rows (chat ``prompt``,
+``reward_model.ground_truth``, ``data_source``, ``extra_info``) or slime's (--input-key messages, --label-key).
 
 A code row's answer is its tests (``megamu.data.code_tests``): a JSON object, or a JSON string of one. It is checked
 like any answer and travels as canonical JSON text; such rows get ``code_instruction`` instead of the math one.
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megamu.data.code_tests import tests_json
+from megamu.reward.signatures import RowMeta
 
 # The paper's instruction, appended to every problem after a space.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -32,6 +34,7 @@ class PromptRecord:
     prompt_ids: list[int]
     answer: str
     problem: str
+    meta: RowMeta = field(default_factory=RowMeta)  # the row's data_source and extra_info, for the reward
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -44,6 +47,8 @@ def _read_rows(path: Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     if path.suffix not in (".jsonl", ".json"):
         raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
+    if path.suffix == ".json" and _starts_with_bracket(path):
+        return _json_array_rows(path)
     rows: list[dict] = []
     with path.open(encoding="utf-8") as f:
         for line in f:
@@ -59,6 +64,22 @@ def _read_rows(path: Path) -> list[dict]:
                 row = {"__error__": f"expected a JSON object, got {type(row).__name__}"}
             rows.append(row)
     return rows
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip("\ufeff \t\r\n")
+    return head.startswith("[")
+
+
+def _json_array_rows(path: Path) -> list[dict]:
+    """A .json file holding one JSON array of row objects (what verl's and slime's JSON exports often are)."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PromptDataError(f"{path}: invalid JSON array ({e.msg} at line {e.lineno}, column {e.colno})") from e
+    return [row if isinstance(row, dict) else {"__error__": f"expected a JSON object, got {type(row).__name__}"}
+            for row in rows]
 
 
 def _answer_text(value) -> tuple[str | None, bool]:
@@ -86,37 +107,65 @@ def _plain_answer(value) -> str | None:
     return None
 
 
+def _lookup(row: dict, key: str):
+    """``row[key]``; a dotted key reaches into nested columns (``reward_model.ground_truth``)."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _chat(value) -> list[dict]:
+    """A verl or slime message row's prompt: a non-empty list of {role, content}."""
+    if not value or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in value):
+        raise ValueError("a message prompt must be a non-empty list of {role, content} messages")
+    return [dict(role=m["role"], content=m["content"]) for m in value]
+
+
+def row_meta(row: dict, problem: str) -> RowMeta:
+    """verl's ``data_source`` and ``extra_info`` (slime's ``metadata``) of a row, for the reward function."""
+    extra = row.get("extra_info", row.get("metadata"))
+    if isinstance(extra, str) and _is_object(extra):
+        extra = json.loads(extra)
+    return RowMeta(str(row.get("data_source") or ""), extra if isinstance(extra, dict) else {}, problem)
+
+
 def _row_to_messages(row: dict, prompt_key: str, answer_key: str, instruction: str,
-                     code_instruction: str = CODE_INSTRUCTION) -> tuple[list[dict], str, str]:
-    """(chat messages of the question, problem text, answer) of one row; raises ValueError with the reason."""
+                     code_instruction: str = CODE_INSTRUCTION) -> tuple[list[dict], str, str, RowMeta]:
+    """(chat messages of the question, problem text, answer, the row's meta) of one row; raises ValueError with the
+    reason. The prompt is text (the instruction is appended) or chat messages, verl's ``prompt`` column or slime's
+    --input-key with --apply-chat-template (they carry their own instruction). The answer is --answer-key's (a dotted
+    key reaches into a struct), else verl's ``reward_model.ground_truth``."""
     if "__error__" in row:
         raise ValueError(row["__error__"])
-    if prompt_key not in row and isinstance(row.get("prompt"), list):
-        # verl layout: the chat messages already carry the instruction; the answer sits in reward_model.ground_truth.
-        messages = row["prompt"]
-        if not messages or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str)
-                                   for m in messages):
-            raise ValueError("'prompt' must be a non-empty list of {role, content} messages")
-        reward_model = row.get("reward_model") or {}
-        answer, _ = _answer_text(reward_model.get("ground_truth") if isinstance(reward_model, dict) else None)
-        if answer is None:
-            raise ValueError("missing or empty 'reward_model.ground_truth'")
+    prompt = row[prompt_key] if prompt_key in row else row.get("prompt")
+    value, is_code = _answer_text(_lookup(row, answer_key))
+    if value is None and _lookup(row, answer_key) is None:
+        value, is_code = _answer_text(_lookup(row, "reward_model.ground_truth"))
+    if value is None:
+        raise ValueError(f"missing or empty {answer_key!r} and no 'reward_model.ground_truth' (keys: "
+                         f"{sorted(row)[:10]}; see --answer-key / --label-key)")
+    if isinstance(prompt, list):
+        messages = _chat(prompt)
         problem = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
-        return [dict(role=m["role"], content=m["content"]) for m in messages], problem, answer
+        return messages, problem, value, row_meta(row, problem)
     problem = row.get(prompt_key)
     if not isinstance(problem, str) or not problem.strip():
-        raise ValueError(f"missing or empty {prompt_key!r} (keys: {sorted(row)[:10]}; see --prompt-key)")
-    answer, is_code = _answer_text(row.get(answer_key))
-    if answer is None:
-        raise ValueError(f"missing or empty {answer_key!r} (keys: {sorted(row)[:10]}; see --answer-key)")
+        raise ValueError(f"missing or empty {prompt_key!r} (keys: {sorted(row)[:10]}; see --prompt-key / --input-key)")
     # A code problem is often code itself: its instruction goes on a line of its own.
     instruction, sep = (code_instruction, "\n\n") if is_code else (instruction, " ")
     content = f"{problem.strip()}{sep}{instruction}" if instruction else problem.strip()
-    return [{"role": "user", "content": content}], problem, answer
+    return [{"role": "user", "content": content}], problem, value, row_meta(row, problem)
 
 
-def render_prompt(tokenizer, messages: list[dict], few_shot: list[tuple[str, str]] = ()) -> list[int]:
-    """Token ids of ``few_shot`` turns then ``messages``, through the chat template when the tokenizer has one."""
+def render_prompt(tokenizer, messages: list[dict], few_shot: list[tuple[str, str]] = (),
+                  chat_template: bool | None = None) -> list[int]:
+    """Token ids of ``few_shot`` turns then ``messages``, through the chat template when the tokenizer has one
+    (``chat_template`` None) or when told to (True; False: the turns' text joined by blank lines)."""
     turns = []
     for user, assistant in few_shot:
         turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
@@ -125,7 +174,7 @@ def render_prompt(tokenizer, messages: list[dict], few_shot: list[tuple[str, str
         turns = [messages[0], *turns]
         messages = messages[1:]
     turns += messages
-    if getattr(tokenizer, "chat_template", None):
+    if getattr(tokenizer, "chat_template", None) if chat_template is None else chat_template:
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n\n".join(t["content"] for t in turns)
@@ -145,6 +194,7 @@ def load_prompts(
     code_instruction: str = CODE_INSTRUCTION,
     context_length: int | None = None,
     max_response_len: int = 0,
+    chat_template: bool | None = None,
 ) -> list[PromptRecord]:
     """Read, validate and tokenize all prompts; prompt ids are 0..N-1 in file then row order (rows are 1-based).
 
@@ -152,15 +202,18 @@ def load_prompts(
     its reply could run into positions the model never saw (and a server refuses it hours into a rollout)."""
     if isinstance(files, (str, Path)):
         files = [files]
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise PromptDataError(f"--apply-chat-template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has "
+                              "no chat template")
     records: list[PromptRecord] = []
     bad: list[str] = []
     for file in files:
         path = Path(file)
         for row_no, row in enumerate(_read_rows(path), start=1):
             try:
-                messages, problem, answer = _row_to_messages(row, prompt_key, answer_key, instruction,
-                                                             code_instruction)
-                ids = render_prompt(tokenizer, messages, few_shot)
+                messages, problem, answer, meta = _row_to_messages(row, prompt_key, answer_key, instruction,
+                                                                   code_instruction)
+                ids = render_prompt(tokenizer, messages, few_shot, chat_template)
                 if len(ids) > max_prompt_length:
                     raise ValueError(f"prompt is {len(ids)} tokens, over --max-prompt-length {max_prompt_length}")
                 if context_length is not None and len(ids) + max_response_len > context_length:
@@ -169,7 +222,7 @@ def load_prompts(
             except ValueError as e:
                 bad.append(f"{path}: row {row_no}: {e}")
                 continue
-            records.append(PromptRecord(len(records), ids, answer, problem))
+            records.append(PromptRecord(len(records), ids, answer, problem, meta))
     if bad and not skip_bad_rows:
         more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
         raise PromptDataError(

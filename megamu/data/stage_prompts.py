@@ -32,6 +32,8 @@ class PromptsConfig:
     skip_bad_rows: bool = False
     context_length: int | None = None  # the model's (max_position_embeddings): prompt + reply must fit it
     max_response_len: int = 0
+    instruction: str | None = None  # appended to each text problem (None: the paper's; "": none)
+    chat_template: bool | None = None  # None: the tokenizer's chat template when it has one
 
     def __post_init__(self):
         check_positive(self, "prompts_per_stage", "max_prompt_length")
@@ -46,10 +48,12 @@ class Prompts:
         files, instruction, few_shot = list(cfg.files), DEFAULT_INSTRUCTION, ()
         if not files:
             files, instruction, few_shot = [str(self._write_builtin())], DEMO_INSTRUCTION, DEMO_FEW_SHOT
+        if cfg.instruction is not None:
+            instruction = cfg.instruction
         prompts = load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                                max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
                                instruction=instruction, few_shot=few_shot, context_length=cfg.context_length,
-                               max_response_len=cfg.max_response_len)
+                               max_response_len=cfg.max_response_len, chat_template=cfg.chat_template)
         order = list(range(len(prompts)))
         random.Random(cfg.seed).shuffle(order)
         n_held_out = min(cfg.held_out, len(prompts) // 2)

@@ -38,8 +38,11 @@ class Run:
             self.state.load_state_dict(saved)
             if self.plan.rollout_mode != "async" and self.state.update >= (self.state.stage + 1) * self.plan.mu:
                 self.state.stage += 1  # saved at a stage's end: its rollout and updates are done
-            _print(f"resumed from {cfg.policy.load_dir}: update {self.state.update} of {self.plan.total_updates}"
+            how = "resumed from" if self.policy.resumed else "started from the earlier run in"
+            _print(f"{how} {self.policy.loaded_from}: update {self.state.update} of {self.plan.total_updates}"
                    + ("" if self.plan.rollout_mode == "async" else f" (stage {self.state.stage})"))
+        elif self.policy.loaded_from != self.policy.hf_source:
+            _print(f"a new run from the weights in {self.policy.loaded_from}")
         self.metrics = MetricsLogger(str(cfg.save), cfg.tensorboard_dir, enabled=parallel.is_main_rank(),
                                      elapsed_offset=self.state.elapsed)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)
@@ -92,6 +95,7 @@ class Run:
                          truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
                          all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length,
                          **({"servers": m.extra["servers"]} if m.extra.get("servers") else {}),  # per SGLang server
+                         **{k: m.extra.get(k, 0) for k in ("reward_errors", "reward_timeouts")},
                          **self.policy.memory_record())
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")

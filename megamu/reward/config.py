@@ -22,8 +22,14 @@ class RewardConfig:
     sandbox_url: str | None = None  # --code-sandbox-url: run programs on a remote sandbox service
     timeout_s: float = 10.0  # --code-timeout: wall-clock (and CPU) limit of one program execution
     num_workers: int | None = None
+    max_error_fraction: float = 0.0  # --reward-error-tolerance: calls that may raise before the run stops
+    item_timeout: float | None = None  # --reward-timeout: seconds per item (None: 5 s math, code's own slack)
 
     def __post_init__(self):
+        if not 0 <= self.max_error_fraction <= 1:
+            raise ConfigError("max_error_fraction", f"must be a fraction in [0, 1], got {self.max_error_fraction}")
+        if self.item_timeout is not None and not self.item_timeout > 0:
+            raise ConfigError("item_timeout", f"must be > 0 seconds, got {self.item_timeout}")
         if self.kind not in REWARD_KINDS:
             raise ConfigError("kind", f"must be one of {REWARD_KINDS}, got {self.kind!r}")
         if self.code_mode not in CODE_MODES:
@@ -33,7 +39,10 @@ class RewardConfig:
 
     @property
     def item_timeout_s(self) -> float:
-        """The pool's per-item limit: a math item must finish in 5 s; a code item gets time for many cases."""
+        """The pool's per-item limit: --reward-timeout, else a math item must finish in 5 s and a code item gets time
+        for many cases."""
+        if self.item_timeout is not None:
+            return self.item_timeout
         if self.reward_fn or self.kind == "math":
             return MATH_ITEM_TIMEOUT_S
         return CODE_ITEM_SLACK_S + 2 * self.timeout_s
@@ -53,4 +62,5 @@ class RewardConfig:
 def make_scorer(cfg: RewardConfig) -> RewardScorer:
     """The reward pool for ``cfg`` (``--reward-fn`` wins over ``--reward``)."""
     spec, kwargs = cfg.spec_and_kwargs()
-    return RewardScorer(spec, timeout_s=cfg.item_timeout_s, num_workers=cfg.num_workers, fn_kwargs=kwargs)
+    return RewardScorer(spec, timeout_s=cfg.item_timeout_s, num_workers=cfg.num_workers, fn_kwargs=kwargs,
+                        max_error_fraction=cfg.max_error_fraction)

@@ -19,20 +19,24 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+
+from megamu.reward.signatures import RowMeta, reward_style
 
 DEFAULT_REWARD_FN = "megamu.reward.math:math_score"
 READY = "ready"
 
 
-def load_reward_fn(spec: str) -> Callable[[str, str], float]:
-    """Resolve ``"module:function"`` (the --reward-fn flag) to fn(response, ground_truth) -> float."""
-    module_name, sep, attr = spec.partition(":")
+def load_reward_fn(spec: str) -> Callable[..., float]:
+    """Resolve the --reward-fn flag to the function: ``module:function``, ``path/file.py:function`` (verl's
+    ``custom_reward_function.path`` + ``.name``) or ``module.function`` (slime's ``--custom-rm-path``)."""
+    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not module_name or not attr:
         raise ValueError(f"--reward-fn must look like 'module:function', got {spec!r}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
+        module = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except (ImportError, OSError) as e:
         raise ValueError(f"--reward-fn {spec!r}: cannot import module {module_name!r}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -40,10 +44,36 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
     return fn
 
 
+def _import_file(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def bind_reward_fn(spec: str, fn_kwargs: dict | None = None) -> Callable[[str, str], float]:
     """``load_reward_fn`` with keyword arguments bound (e.g. the code reward's timeout and mode)."""
     fn = load_reward_fn(spec)
     return functools.partial(fn, **fn_kwargs) if fn_kwargs else fn
+
+
+class RewardFunctionError(RuntimeError):
+    """More of a run's reward calls raised than its tolerance allows: the message names the function, the exception
+    and one offending sample."""
+
+
+@dataclass
+class RewardFailure:
+    """One reward call that raised (or whose worker died): what the error message shows."""
+
+    error: str
+    response: str
+    ground_truth: str
+    meta: RowMeta
 
 
 class _Worker:
@@ -90,11 +120,21 @@ def _close_workers(workers: list[_Worker]) -> None:
 
 class RewardScorer:
     """A pool of reward workers, created once and reused across batches; ``close()`` (or ``with``) ends them.
-    ``fn_kwargs`` (JSON-serialisable) are bound to the reward function in every worker."""
+    ``fn_kwargs`` (JSON-serialisable) are bound to the reward function in every worker.
+
+    A call that raises scores 0 and is counted (``num_errors``, with ``first_failure``); once more than
+    ``max_error_fraction`` of the items scored so far failed, ``score`` raises ``RewardFunctionError`` instead of
+    returning (None: count only). A timeout scores 0 and is counted apart (``num_timeouts``): a reply that sends
+    math-verify into a long search is the reply's fault, not the function's."""
 
     def __init__(self, reward_fn: str = DEFAULT_REWARD_FN, *, timeout_s: float = 5.0, num_workers: int | None = None,
-                 startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None):
-        load_reward_fn(reward_fn)  # fail fast, in the parent, with a clear message
+                 startup_timeout_s: float = 120.0, fn_kwargs: dict | None = None,
+                 max_error_fraction: float | None = None):
+        self.style = reward_style(load_reward_fn(reward_fn))  # fail fast, in the parent, with a clear message
+        self.max_error_fraction = max_error_fraction
+        self.num_scored = 0
+        self.num_errors = 0
+        self.first_failure: RewardFailure | None = None
         self.spec = reward_fn
         self.fn_kwargs = dict(fn_kwargs or {})
         json.dumps(self.fn_kwargs)  # must reach the workers on their command line
@@ -119,9 +159,12 @@ class RewardScorer:
         w.kill()
         self._workers[self._workers.index(w)] = _Worker(self.spec, self.fn_kwargs)
 
-    def score(self, responses: list[str], ground_truths: list[str]) -> list[float]:
+    def score(self, responses: list[str], ground_truths: list[str], metas: list[RowMeta] | None = None) -> list[float]:
+        """One score per response; ``metas``: each item's row (data_source, extra_info) for verl/slime functions."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        metas = metas or [RowMeta()] * len(responses)
+        self._batch = (responses, ground_truths, metas)
         if not self._finalizer.alive:
             raise RuntimeError("RewardScorer is closed")
         results: list[float | None] = [None] * len(responses)
@@ -133,7 +176,7 @@ class RewardScorer:
                 if w.ready and w.item is None and todo:
                     i = todo.popleft()
                     try:
-                        w.send_conn.send((i, responses[i], ground_truths[i]))
+                        w.send_conn.send((i, responses[i], ground_truths[i], metas[i]))
                     except (OSError, ValueError):  # died while idle: put the item back, start a new worker
                         todo.appendleft(i)
                         self.num_crashes += 1
@@ -154,7 +197,27 @@ class RewardScorer:
                     results[w.item] = 0.0
                     self.num_timeouts += 1
                     self._replace(w)
+        self.num_scored += len(responses)
+        self._check_errors()
         return [float(r) for r in results]
+
+    def _fail(self, i: int, error: str, results: list[float | None]) -> None:
+        results[i] = 0.0
+        self.num_errors += 1
+        if self.first_failure is None:
+            responses, truths, metas = self._batch
+            self.first_failure = RewardFailure(error, responses[i], truths[i], metas[i])
+
+    def _check_errors(self) -> None:
+        limit = self.max_error_fraction
+        if limit is None or self.num_errors <= limit * self.num_scored:
+            return
+        f = self.first_failure
+        raise RewardFunctionError(
+            f"reward function {self.spec!r} ({self.style} signature) failed on {self.num_errors} of "
+            f"{self.num_scored} samples, more than the tolerated fraction {limit} (--reward-error-tolerance): "
+            f"{f.error}\n  one offending sample: ground truth {f.ground_truth!r}, data_source {f.meta.data_source!r}, "
+            f"response {f.response[:300]!r}")
 
     def _receive(self, w: _Worker, results: list[float | None]) -> None:
         try:
@@ -163,7 +226,7 @@ class RewardScorer:
             if not w.ready:
                 raise RuntimeError(f"a reward worker for {self.spec!r} died during startup") from None
             if w.item is not None:
-                results[w.item] = 0.0
+                self._fail(w.item, f"the worker died (exit code {w.proc.poll()}) while scoring", results)
             self.num_crashes += 1
             self._replace(w)
             return
@@ -172,9 +235,12 @@ class RewardScorer:
         elif isinstance(msg, tuple) and msg[0] == "error":
             raise RuntimeError(f"reward function {self.spec!r} failed to load in a worker:\n{msg[1]}")
         else:
-            i, score = msg
+            i, score, error = msg
             if i == w.item:
-                results[i] = score
+                if error is None:
+                    results[i] = score
+                else:
+                    self._fail(i, error, results)
                 w.item = None
 
 

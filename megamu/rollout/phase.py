@@ -43,7 +43,11 @@ from megamu.rollout.dataset import (
 PLAN = "plan.json"
 
 
-def _score(scorer, responses: list[str], truths: list[str]) -> list[float]:
+def _score(scorer, responses: list[str], truths: list[str], metas: list) -> list[float]:
+    from megamu.reward.pool import RewardScorer
+
+    if isinstance(scorer, RewardScorer):  # the rows' data_source and extra_info, for verl and slime functions
+        return scorer.score(responses, truths, metas)
     return scorer.score(responses, truths) if hasattr(scorer, "score") else list(scorer(responses, truths))
 
 
@@ -73,7 +77,8 @@ def score_groups(engine: Engine, prompts: list[PromptRecord], out: list, n_sampl
             raise RuntimeError(f"engine {type(engine).__name__} returned {len(s.output_ids)} tokens but "
                                f"{len(s.output_logprobs)} log-probs for prompt {s.prompt_id} sample {s.sample_index}")
     texts = tokenizer.batch_decode([s.output_ids for s in out], skip_special_tokens=True)
-    rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)])
+    rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)],
+                     [p.meta for p in prompts for _ in range(n_samples)])
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(len(prompts), n_samples)).flatten().tolist()
     samples = [
         RolloutSample(
@@ -243,6 +248,7 @@ def run_rollout_phase(
     stream = _streamed_shards(engine, shard_requests, in_flight) if in_flight else \
         _called_shards(engine, shard_requests, shards_per_call)
     t_last, written = time.monotonic(), 0
+    errors0, timeouts0 = getattr(scorer, "num_errors", 0), getattr(scorer, "num_timeouts", 0)
     for k, generated in stream:
         shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
                              policy_version=policy_version)
@@ -261,10 +267,13 @@ def run_rollout_phase(
         if written == 1 and len(missing) > 1:  # one estimate, as soon as there is a measured shard to base it on
             bar.write(f"[rollout] stage {stage}: {dt:.0f}s for the first shard of {groups_per_shard} groups on this "
                       f"machine: about {(len(missing) - 1) * dt / 60:.1f} min more for this stage's rollout")
+        failed = reward_failures(scorer, errors0, timeouts0)
         bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
-                        reward=f"{reward_sum / max(n_done, 1):.3f}")
+                        reward=f"{reward_sum / max(n_done, 1):.3f}", reward_errors=failed["reward_errors"],
+                        reward_timeouts=failed["reward_timeouts"])
     bar.close()
-    manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path)
+    manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path,
+                       reward_failures(scorer, errors0, timeouts0))
     servers = manifest.extra.get("servers") or []
     if servers:
         print(f"[rollout] stage {stage}: per server (requests, samples/s, restarts): " + ", ".join(
@@ -273,13 +282,21 @@ def run_rollout_phase(
         f"[rollout] stage {stage}: {manifest.num_groups} groups x {n_samples} in {manifest.t_rollout_s:.1f}s | "
         f"reward {manifest.reward_mean:.3f} | all-correct {manifest.all_correct_fraction:.2f} "
         f"all-wrong {manifest.all_wrong_fraction:.2f} | truncated {manifest.truncation_rate:.2f} | "
-        f"mean length {manifest.mean_response_length:.1f}"
+        f"mean length {manifest.mean_response_length:.1f} | reward errors {manifest.extra.get('reward_errors', 0)}, "
+        f"timeouts {manifest.extra.get('reward_timeouts', 0)}"
     )
     return manifest
 
 
+def reward_failures(scorer, errors0: int, timeouts0: int) -> dict[str, int]:
+    """The reward calls that raised and that timed out since the counts ``errors0`` and ``timeouts0`` (this stage's,
+    in this process: a resumed stage counts its new shards)."""
+    return {"reward_errors": getattr(scorer, "num_errors", 0) - errors0,
+            "reward_timeouts": getattr(scorer, "num_timeouts", 0) - timeouts0}
+
+
 def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_version: int, sampling: SamplingParams,
-            engine, model_path: str) -> StageManifest:
+            engine, model_path: str, failures: dict[str, int]) -> StageManifest:
     """Checksum every shard, compute the statistics from what is on disk, and write the manifest last."""
     import pyarrow.parquet as pq
 
@@ -296,7 +313,7 @@ def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_vers
         sampling=asdict(sampling), engine=engine.name, model_path=str(model_path),
         policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
         deterministic=combined_mode([i.deterministic for i in infos]), **group_stats(rewards, finish, lengths),
-        extra={"servers": servers} if (servers := engine.server_stats()) else {},
+        extra={**failures, **({"servers": servers} if (servers := engine.server_stats()) else {})},
     )
     write_manifest(out, manifest)
     return manifest

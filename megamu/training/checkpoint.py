@@ -44,9 +44,11 @@ from megamu.training.checkpoint_dirs import (
     _set_rng_state,
     _world,
     iteration_dir,
-    latest_iteration,
+    latest_checkpoint,
+    latest_iteration,  # noqa: F401  (megamu.training re-exports it)
     publish,
 )
+from megamu.training.megatron_schema import CHECKPOINT_VERSION, megatron_entries
 
 RUN_STATE = "megamu_state.json"
 FORMAT = "megamu-run-state-2"
@@ -149,8 +151,11 @@ def save_checkpoint(
     tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
     model_sd = unwrap(model).sharded_state_dict()
     opt_sd, steps = _optimizer_sharded(model, model_sd, optimizer, templates=False)
+    bf16 = any(p.dtype == torch.bfloat16 for p in unwrap(model).parameters())
     sharded = {"model": model_sd, "optimizer": opt_sd, "optimizer_steps": steps, "iteration": iteration,
-               "checkpoint_version": 3.0}  # Megatron-LM's top-level names and checkpoint version
+               "checkpoint_version": CHECKPOINT_VERSION,  # Megatron-LM's top-level names, and what it reads besides
+               **megatron_entries(arch, iteration, optimizer.cfg, plan=extra.get("plan"), world=world,
+                                  hf_source_dir=str(hf_source_dir) if hf_source_dir is not None else None, bf16=bf16)}
     error = None
     try:
         _write_sharded(sharded, tmp)
@@ -184,10 +189,10 @@ def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> 
     checkpoint without megamu's run state (Megatron-LM's) loads its weights, and its Adam moments when it has them,
     and returns ``{"iteration": N, "run_state": False}``: the caller starts a new run from those weights.
     """
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
+    found = latest_checkpoint(load_dir)
+    if found is None:
         return None
-    folder = iteration_dir(load_dir, iteration)
+    iteration, folder = found
     if not (folder / "metadata.json").exists():
         from megamu.training.checkpoint_legacy import LEGACY_STATE, load_legacy_checkpoint
 
@@ -296,10 +301,10 @@ def load_model_checkpoint(load_dir: str | Path, model) -> int:
     its iteration."""
     from megatron.core import dist_checkpointing
 
-    iteration = latest_iteration(load_dir)
-    if iteration is None:
+    found = latest_checkpoint(load_dir)
+    if found is None:
         raise CheckpointError(f"{load_dir}: no {TRACKER}, no checkpoint")
-    folder = iteration_dir(load_dir, iteration)
+    iteration, folder = found
     loaded = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()}, str(folder))
     unwrap(model).load_state_dict(loaded["model"])
     return iteration

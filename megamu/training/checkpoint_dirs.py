@@ -19,6 +19,7 @@ from megamu.atomic import atomic_write_text, remove_dir
 from megamu.convert.io import replace_dir
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # a tracker saying "release" names save_dir/release (Megatron-LM's; slime's converter writes it)
 
 
 class CheckpointError(RuntimeError):
@@ -90,8 +91,11 @@ def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
-def latest_iteration(load_dir: str | Path) -> int | None:
-    """The iteration the tracker names; None when ``load_dir`` holds no checkpoint at all."""
+def latest_checkpoint(load_dir: str | Path) -> tuple[int, Path] | None:
+    """(iteration, folder) of the checkpoint the tracker names; None when ``load_dir`` holds no checkpoint at all.
+
+    A tracker reading "release" names ``load_dir/release``, iteration 0, as Megatron-LM's ``read_metadata`` reads it
+    (converted weights, not a run's progress)."""
     tracker = Path(load_dir) / TRACKER
     if not tracker.exists():
         if any(Path(load_dir).glob("iter_*")):
@@ -99,9 +103,17 @@ def latest_iteration(load_dir: str | Path) -> int | None:
                                   f"of them by writing its number into {TRACKER}")
         return None
     text = tracker.read_text().strip()
+    if text == RELEASE:
+        return 0, Path(load_dir) / RELEASE
     if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
-    return int(text)
+        raise CheckpointError(f"{tracker}: expected an iteration number or {RELEASE!r}, found {text!r}")
+    return int(text), iteration_dir(load_dir, int(text))
+
+
+def latest_iteration(load_dir: str | Path) -> int | None:
+    """The iteration the tracker names (0 for "release"); None when ``load_dir`` holds no checkpoint at all."""
+    found = latest_checkpoint(load_dir)
+    return None if found is None else found[0]
 
 
 def publish(main: bool, tmp: Path, out: Path, save_dir: str | Path, iteration: int, keep: int,

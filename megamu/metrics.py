@@ -19,11 +19,13 @@ class MetricsLogger:
     had never stopped (the replayed updates are logged again, once).
     """
 
-    def __init__(self, save_dir: str, tensorboard_dir: str | None, *, enabled: bool, elapsed_offset: float = 0.0):
+    def __init__(self, save_dir: str, tensorboard_dir: str | None, *, enabled: bool, elapsed_offset: float = 0.0,
+                 tracker=None):
         self.enabled = enabled
         self.path = Path(save_dir) / "metrics.jsonl"
         self.t0 = time.time() - elapsed_offset
         self.writer = None
+        self.tracker = tracker if enabled else None  # megamu.tracking: wandb, when asked for
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -33,7 +35,8 @@ class MetricsLogger:
         return time.time() - self.t0
 
     def truncate(self, *, stage: int, update: int) -> None:
-        """Keep only what happened before (stage, update): updates < update, stages < stage, evals of earlier stages,
+        """Keep only what happened before (stage, update): updates < update, stages < stage, evals of policies
+        before update (older records without ``update``: of earlier stages),
         syncs of earlier stages (a refresh's, logged with its stage) or after updates <= update (async mode's: the
         sync after update N is logged as update N)."""
         if not self.enabled or not self.path.exists():
@@ -41,28 +44,43 @@ class MetricsLogger:
         kept = [
             rec for rec in read_metrics(self.path.parent)
             if (rec.get("kind") == "update" and rec["update"] < update)
-            or (rec.get("kind") in ("stage", "eval") and rec["stage"] < stage)
+            or (rec.get("kind") == "stage" and rec["stage"] < stage)
+            # evaluations of policies before the checkpoint's (a stage's starts after its first rollout)
+            or (rec.get("kind") == "eval" and (rec["update"] < update if "update" in rec else rec["stage"] < stage))
             or (rec.get("kind") == "sync" and (rec["stage"] < stage if "stage" in rec else rec["update"] <= update))
         ]
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in kept))
 
-    def log(self, kind: str, step: int | None = None, **fields) -> dict:
+    def log(self, kind: str, step: int | None = None, *, tag: str | None = None, **fields) -> dict:
+        """One record; with ``step``, its numbers also go to tensorboard and the tracker as ``<tag>/<field>`` (``tag``
+        defaults to ``kind``; evaluations tag each set apart)."""
         rec = {"kind": kind, **clean(fields), "time": round(self.elapsed(), 3)}
         if not self.enabled:
             return rec
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(rec, allow_nan=False) + "\n")
-        if self.writer is not None and step is not None:
+        if step is None:
+            return rec
+        if self.writer is not None:
             for key, value in fields.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self.writer.add_scalar(f"{kind}/{key}", value, step)
+                    self.writer.add_scalar(f"{tag or kind}/{key}", value, step)
             self.writer.flush()
+        if self.tracker is not None:
+            self.tracker.log(tag or kind, step, fields)
         return rec
+
+    def table(self, name: str, columns: list[str], rows: list[list]) -> None:
+        """A table of rows (sample generations) for the tracker; tensorboard and metrics.jsonl keep numbers only."""
+        if self.tracker is not None:
+            self.tracker.table(name, columns, rows)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def clean(stats: dict) -> dict:

@@ -13,9 +13,11 @@ from megamu.device import Device
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.loop.async_ import AsyncConfig
+from megamu.loop.heldout import EvalConfig
 from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
+from megamu.tracking import TrackerConfig
 
 ROLLOUT_MODES = ("staged", "colocated", "async")
 
@@ -175,6 +177,8 @@ class RunConfig:
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
     memory: MemoryPlanConfig | None = None  # GPU runs whose model config is readable: what each GPU holds per phase
+    evaluation: EvalConfig = EvalConfig()
+    tracker: TrackerConfig = TrackerConfig()
 
     def __post_init__(self):
         check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads")
@@ -193,6 +197,13 @@ class RunConfig:
         if self.async_ is not None and self.async_.rollout_devices and not self.device.is_cuda and not self.dry_run:
             raise ConfigError("rollout_devices", "needs GPUs; on CPU the engine process shares the cores with the "
                                                  "trainer")
+        interval = self.evaluation.eval_interval
+        if interval and self.plan.is_async:
+            raise ConfigError("eval_interval", "async mode evaluates after its last update only (its engine process "
+                                               "has no held-out prompts)")
+        if interval and interval % self.plan.mu:
+            raise ConfigError("eval_interval", f"{interval} is not a multiple of μ = {self.plan.mu}: evaluations run "
+                                               "on the engine, which holds the policy of a stage's start")
         if self.recompute_behaviour_logprobs and self.plan.rollout_mode == "async":
             raise ConfigError("behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
                                                     "engine's log-probs")

@@ -22,6 +22,8 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     engine_config,
     reward_config,
 )
+from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
+from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.loop.async_ import AsyncConfig
@@ -31,7 +33,7 @@ from megamu.rollout import RolloutConfig
 from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
 from megamu.run_dir import RunDir
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
-from megamu.training.optimizer import OptimizerConfig
+from megamu.training.optimizer import LR_DECAY_STYLES, OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
@@ -58,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimiser (Megatron names)")
     g.add_argument("--lr", type=float, default=_default(OptimizerConfig, "lr"))
     g.add_argument("--lr-warmup-iters", type=int, default=_default(OptimizerConfig, "lr_warmup_iters"))
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=_default(OptimizerConfig, "lr_decay_style"))
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: the run's updates")
+    g.add_argument("--min-lr", type=float, default=_default(OptimizerConfig, "min_lr"),
+                   help="the lr a linear or cosine decay ends at")
     g.add_argument("--weight-decay", type=float, default=_default(OptimizerConfig, "weight_decay"))
     g.add_argument("--adam-beta1", type=float, default=_default(OptimizerConfig, "adam_beta1"))
     g.add_argument("--adam-beta2", type=float, default=_default(OptimizerConfig, "adam_beta2"))
@@ -119,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-per-stage", type=int, default=None, help="B_train: prompt groups per rollout stage")
     g.add_argument("--prompts-per-update", type=int, default=None, help="B_mini: prompt groups per optimiser update")
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
+    g.add_argument("--rollout-batch-size", type=int, default=None,
+                   help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
     g.add_argument("--n-samples-per-prompt", type=int, default=_default(RolloutConfig, "n_samples"), help="G")
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
     g.add_argument("--clip-low", type=float, default=None)
@@ -163,13 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of one GPU for the memory plan that --dry-run prints and every GPU run checks "
                         "(default: an H200's)")
     g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
-    g.add_argument("--eval-prompts", type=int, default=100, help="held-out greedy evaluation at start and end (0: off)")
+    add_evaluation_arguments(p)
+    add_megatron_arguments(p)
     return p
 
 
 def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
     """The run's shape from the flags: staged modes take any two of B_train, B_mini, μ and the stages (or
     --train-iters); async mode takes --train-iters, N and K."""
+    if args.rollout_batch_size is not None:  # slime's flag, megamu's --prompts-per-stage
+        if args.prompts_per_stage not in (None, args.rollout_batch_size):
+            _error("--rollout-batch-size", f"{args.rollout_batch_size} contradicts --prompts-per-stage "
+                                           f"{args.prompts_per_stage} (the same quantity: give one)")
+        args.prompts_per_stage = args.rollout_batch_size
+    if args.global_batch_size is not None and args.prompts_per_update is None:  # Megatron's: samples per update
+        if args.global_batch_size % args.n_samples_per_prompt:
+            _error("--global-batch-size", f"{args.global_batch_size} samples is not a whole number of groups of "
+                                          f"--n-samples-per-prompt {args.n_samples_per_prompt}")
+        args.prompts_per_update = args.global_batch_size // args.n_samples_per_prompt
     if args.rollout_mode == "async":
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
@@ -267,14 +286,17 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     device = device or Device.detect()
     check_inputs(args, device)
     config = hf_config(args)
+    plan = plan_of(args, args.algorithm)
+    check_megatron_arguments(args, plan.prompts_per_update)
     algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
                    veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
                    aggregation=args.loss_aggregation)
     optimizer = _config(OptimizerConfig, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                        lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps)
+                        lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps,
+                        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters or plan.total_updates,
+                        min_lr=args.min_lr)
     save = Path(args.save)
-    plan = plan_of(args, algo.name)
     engine = engine_config(args, device)
     # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
     cpu_split = args.rollout_mode == "async" and not device.is_cuda
@@ -311,7 +333,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
         instruction=args.instruction, chat_template=args.apply_chat_template,
-        max_response_len=args.rollout_max_response_len)
+        max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
     return _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
         async_=async_, prompts=prompts, save=save,
@@ -323,6 +345,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         keep_hf_exports=args.keep_hf_exports,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
+        evaluation=evaluation_config(args), tracker=tracker_config(args),
         memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
                               tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
                               world=int(os.environ.get("WORLD_SIZE", "1")),

@@ -25,7 +25,7 @@ def _default(config, name: str):
 FLAG_OF_FIELD = {
     "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
     "name": "--algorithm", "kind": "--reward", "code_mode": "--code-reward-mode", "sandbox_url": "--code-sandbox-url",
-    "timeout_s": "--code-timeout", "max_batch_size": "--rollout-batch-size", "num_servers": "--sglang-num-servers",
+    "timeout_s": "--code-timeout", "max_batch_size": "--local-engine-batch-size", "num_servers": "--sglang-num-servers",
     "port_base": "--sglang-port-base",
     "tp_size": "--sglang-tp-size", "extra_server_args": "--sglang-server-args", "n_samples": "--n-samples-per-prompt",
     "max_new_tokens": "--rollout-max-response-len", "groups_per_shard": "--rollout-groups-per-shard",
@@ -58,8 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's flags, one spelling for the trainer and tools/evaluate.py (read back by ``engine_config``)."""
     g = p.add_argument_group("rollout engine")
     g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=_default(EngineConfig, "kind"))
-    g.add_argument("--rollout-batch-size", type=int, default=_default(EngineConfig, "max_batch_size"),
-                   help="local engine: sequences decoded together")
+    g.add_argument("--local-engine-batch-size", type=int, default=_default(EngineConfig, "max_batch_size"),
+                   help="local engine: sequences decoded together (slime's --rollout-batch-size is prompts per "
+                        "rollout: megamu's --prompts-per-stage)")
     g.add_argument("--rollout-dtype", choices=["float32", "bfloat16"], default=None,
                    help="the precision the engine computes in: the local engine's weights, SGLang servers' --dtype "
                         "(default: bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)")
@@ -200,5 +201,5 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
                          probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
                          probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)
     dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
-    return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.rollout_batch_size,
+    return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.local_engine_batch_size,
                    sglang=sglang)

@@ -14,6 +14,8 @@ from megamu.data.order import epoch_stream
 from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
 from megamu.errors import ConfigError, check_non_negative, check_positive
 
+HELD_OUT = "held-out"  # the evaluation set split off the training prompts (--eval-prompts)
+
 
 @dataclass(frozen=True)
 class PromptsConfig:
@@ -34,6 +36,7 @@ class PromptsConfig:
     max_response_len: int = 0
     instruction: str | None = None  # appended to each text problem (None: the paper's; "": none)
     chat_template: bool | None = None  # None: the tokenizer's chat template when it has one
+    eval_sets: tuple[tuple[str, str], ...] = ()  # (name, file) of held-out sets evaluated beside the split-off one
 
     def __post_init__(self):
         check_positive(self, "prompts_per_stage", "max_prompt_length")
@@ -50,10 +53,14 @@ class Prompts:
             files, instruction, few_shot = [str(self._write_builtin())], DEMO_INSTRUCTION, DEMO_FEW_SHOT
         if cfg.instruction is not None:
             instruction = cfg.instruction
-        prompts = load_prompts(files, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                               max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
-                               instruction=instruction, few_shot=few_shot, context_length=cfg.context_length,
-                               max_response_len=cfg.max_response_len, chat_template=cfg.chat_template)
+
+        def load(paths: list[str]) -> list[PromptRecord]:  # training and evaluation prompts are built alike
+            return load_prompts(paths, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+                                max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
+                                instruction=instruction, few_shot=few_shot, context_length=cfg.context_length,
+                                max_response_len=cfg.max_response_len, chat_template=cfg.chat_template)
+
+        prompts = load(files)
         order = list(range(len(prompts)))
         random.Random(cfg.seed).shuffle(order)
         n_held_out = min(cfg.held_out, len(prompts) // 2)
@@ -61,6 +68,9 @@ class Prompts:
         self.train: list[PromptRecord] = [prompts[i] for i in order[n_held_out:]]
         if not self.train:
             raise PromptDataError(f"no training prompts left in {files} after holding out {n_held_out}")
+        # what every evaluation runs on: the split-off held-out prompts, then the named sets (--eval-prompt-data)
+        self.eval_sets: dict[str, list[PromptRecord]] = {HELD_OUT: self.held_out} if self.held_out else {}
+        self.eval_sets.update((name, load([path])) for name, path in cfg.eval_sets)
 
     def _write_builtin(self) -> Path:
         path = self.cfg.data_dir / "addition.jsonl"

@@ -39,7 +39,7 @@ from megamu.loop.async_worker import (
     stored_shards,
     write_json,
 )
-from megamu.loop.heldout import evaluate_held_out
+from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
 from megamu.metrics import MetricsLogger
 from megamu.records import RolloutSample
@@ -222,14 +222,15 @@ def train_async(run) -> None:
     bar.close()
     final = run.export_final()  # collective: before rank 0 alone stops the engine process
     engine.stop()  # the engine process's memory is free for the evaluation's engine
-    if parallel.is_main_rank() and run.prompts.held_out:
+    if parallel.is_main_rank() and run.prompts.eval_sets:
         from megamu.reward import make_scorer
 
         evaluator, scorer = build_engine(cfg.engine, final.hf_dir), make_scorer(cfg.rollout.reward)
         try:
             # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
-            evaluate_held_out(evaluator, run.prompts.held_out, cfg.rollout.sampling(1, stop_token_ids(run.tokenizer)),
-                              scorer, run.tokenizer, run.metrics, stage=1, label="final")
+            evaluate_sets(evaluator, run.prompts.eval_sets, cfg.rollout.sampling(1, stop_token_ids(run.tokenizer)),
+                          cfg.evaluation, scorer, run.tokenizer, run.metrics, stage=1, update=run.state.update,
+                          label="final")
         finally:
             evaluator.shutdown()
             scorer.close()

@@ -17,6 +17,7 @@ from megamu.metrics import MetricsLogger, read_metrics
 from megamu.policy import Policy
 from megamu.rollout.dataset import StageDataset
 from megamu.run_dir import RunDir
+from megamu.tracking import make_tracker
 from megamu.weights import Weights
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ class Run:
                    + ("" if self.plan.rollout_mode == "async" else f" (stage {self.state.stage})"))
         elif self.policy.loaded_from != self.policy.hf_source:
             _print(f"a new run from the weights in {self.policy.loaded_from}")
+        settings = {**self.plan.summary(), **vars(cfg.algo), **vars(cfg.policy.optimizer)}  # wandb's run config
+        tracker = make_tracker(cfg.tracker, cfg.save, settings) if parallel.is_main_rank() else None
         self.metrics = MetricsLogger(str(cfg.save), cfg.tensorboard_dir, enabled=parallel.is_main_rank(),
-                                     elapsed_offset=self.state.elapsed)
+                                     elapsed_offset=self.state.elapsed, tracker=tracker)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)
 
     def train_on(self, samples: list, stage: int, bar, *, log: bool, save: bool, **fields) -> None:
@@ -97,6 +100,12 @@ class Run:
                          **({"servers": m.extra["servers"]} if m.extra.get("servers") else {}),  # per SGLang server
                          **{k: m.extra.get(k, 0) for k in ("reward_errors", "reward_timeouts")},
                          **self.policy.memory_record())
+        if self.metrics.tracker is not None:  # a few of D_k's generations, decoded (verl's generations table)
+            rows = [[stage, s.prompt_id, s.sample_index, self.tokenizer.decode(s.prompt_ids),
+                     self.tokenizer.decode(s.response_ids), s.reward, s.advantage]
+                    for g in range(min(4, dataset.num_groups)) for s in dataset.group(g)]
+            self.metrics.table(f"samples/stage_{stage}", ["stage", "prompt_id", "sample", "prompt", "response",
+                                                         "reward", "advantage"], rows)
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")
         crash_point("stage", stage)
@@ -122,7 +131,9 @@ class Run:
             print(f" async: trainer idle ratio {r['idle_ratio']:.3f}, {r['dropped_stale']} stale samples dropped, "
                   f"{sum(x['kind'] == 'sync' for x in rows)} weight syncs")
         for r in (r for r in rows if r["kind"] == "eval"):
-            print(f" held-out greedy accuracy ({r['label']}): {r['accuracy']:.3f} on {r['n']} prompts")
+            sampled = f", pass@1 {r['pass1']:.3f} (k = {r['k']})" if "pass1" in r else ""
+            print(f" {r.get('set', 'held-out')} greedy accuracy ({r['label']}): {r['accuracy']:.3f}{sampled} on "
+                  f"{r['n']} prompts")
         for r in [r for r in rows if r["kind"] == "run"][-1:]:
             print(f" total {r['t_total']:.1f}s, {r['total_updates']} updates; metrics in {self.metrics.path}")
 

@@ -22,7 +22,7 @@ from megamu import parallel
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import Engine, EngineConfig, build_engine
 from megamu.engines.sglang import memory
-from megamu.loop.heldout import evaluate_held_out
+from megamu.loop.heldout import EvalConfig, evaluate_sets
 from megamu.metrics import MetricsLogger
 from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import StageDataset
@@ -49,11 +49,13 @@ class StageEngine:
     """Rank 0's engine through the stages (other ranks keep only what every rank must agree on: ``warm``)."""
 
     def __init__(self, mode: str, engine: EngineConfig, rollout: RolloutConfig, run_dir: RunDir, tokenizer,
-                 metrics: MetricsLogger, held_out: list[PromptRecord]):
+                 metrics: MetricsLogger, held_out: list[PromptRecord], eval_sets: dict[str, list[PromptRecord]],
+                 evaluation: EvalConfig):
         if mode not in STAGED_MODES:
             raise ValueError(f"StageEngine runs the {STAGED_MODES} modes, not {mode!r}")
         self.mode, self.engine_cfg, self.cfg, self.run_dir = mode, engine, rollout, run_dir
         self.tokenizer, self.metrics, self.held_out = tokenizer, metrics, held_out
+        self.eval_sets, self.evaluation = eval_sets, evaluation
         self.engine: Engine | None = None  # rank 0 only
         self.node = None  # SGLang on several ranks (``spread``): this node's servers, on its local rank 0 (nodes.py)
         self.scorer = None  # rank 0 only, created with the first engine
@@ -193,9 +195,10 @@ class StageEngine:
                           stage=stage, policy_version=version, groups_per_shard=self.cfg.groups_per_shard,
                           shards_per_call=self.cfg.shards_per_call, model_path=str(self.hf_dir or ""))
 
-    def evaluate(self, stage: int, label: str, weights: Weights | None = None) -> None:
-        """Held-out greedy accuracy of the engine's weights, or of ``weights`` (an HF folder) loaded first (rank 0)."""
-        if not (parallel.is_main_rank() and self.held_out):
+    def evaluate(self, stage: int, update: int, label: str, weights: Weights | None = None) -> None:
+        """The evaluation sets scored with the engine's weights (the policy after ``update`` updates), or with
+        ``weights`` (an HF folder) loaded first (rank 0)."""
+        if not (parallel.is_main_rank() and self.eval_sets):
             return
         if weights is not None and self.engine is not None:
             self._resume(memory.WEIGHTS)
@@ -203,8 +206,8 @@ class StageEngine:
             self._resume(*memory.ALL)
         elif weights is not None:
             self.engine = build_engine(self.engine_cfg, weights.hf_dir)
-        _, self.t_eval = evaluate_held_out(self.engine, self.held_out, self.sampling(stage), self._scorer(),
-                                           self.tokenizer, self.metrics, stage=stage, label=label)
+        self.t_eval = evaluate_sets(self.engine, self.eval_sets, self.sampling(stage), self.evaluation, self._scorer(),
+                                    self.tokenizer, self.metrics, stage=stage, update=update, label=label)
 
     def release(self) -> None:
         """After D_k: staged mode stops the engine, so its memory is free for the optimisation (§4, Phase 1);
@@ -260,7 +263,7 @@ def train_staged(run) -> None:
     """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
     cfg, plan, policy, run_dir = run.cfg, run.plan, run.policy, run.run_dir
     engine = StageEngine(plan.rollout_mode, cfg.engine, cfg.rollout, run_dir, run.tokenizer, run.metrics,
-                         run.prompts.held_out)
+                         run.prompts.held_out, run.prompts.eval_sets, cfg.evaluation)
     for stage in range(run.state.stage, plan.num_stages):
         done = run_dir.stage_done(stage)
         parallel.barrier()  # every rank has looked before rank 0 can write D_k: all take the same branch
@@ -269,8 +272,8 @@ def train_staged(run) -> None:
             publish(policy, engine, stage, run_dir.stage_export(stage))  # 1-2. θ_k -> β_k, the trainer offloaded
             t1 = time.perf_counter()
             engine.generate(stage, run.prompts.for_stage(stage), policy.version)  # 3. rank 0 writes D_k
-            if stage == 0:
-                engine.evaluate(stage, "base")  # the held-out baseline, on the stage-0 engine
+            if stage == 0 or cfg.evaluation.due(run.state.update):  # on the engine that holds θ_k (--eval-interval)
+                engine.evaluate(stage, run.state.update, "base" if stage == 0 else f"update {run.state.update}")
             engine.release()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
@@ -290,7 +293,7 @@ def final_evaluation(run, engine: StageEngine) -> None:
     evaluate it take their weights and KV cache back, or start, only once the trainer has given the device back."""
     final = run.export_final()
     run.policy.offload()
-    engine.evaluate(run.plan.num_stages, "final", final)
+    engine.evaluate(run.plan.num_stages, run.state.update, "final", final)
 
 
 def publish(policy, engine: StageEngine, stage: int, export_dir: Path) -> None:

@@ -32,6 +32,7 @@ from megamu.training.host_mirror import HostMirror, device_tensors
 from megamu.training.memory import TrainerMemory, spill, storage_bytes, unspill
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduce
 
 
@@ -39,8 +40,10 @@ BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduc
 class OptimizerConfig:
     """Megatron's flag names (--lr, --weight-decay, --adam-beta1, ..., --clip-grad, --lr-warmup-iters).
 
-    The schedule is constant with an optional linear warmup: update k (0-based) uses lr * min(1, (k + 1) / warmup).
-    Weight decay skips biases and 1-D parameters (norms), as Megatron does.
+    The schedule is Megatron's (``--lr-warmup-iters``, ``--lr-decay-style``, ``--lr-decay-iters``, ``--min-lr``):
+    update k (0-based) uses Megatron's lr at step k + 1, a linear warmup to ``lr`` then a constant, linear or cosine
+    decay to ``min_lr`` over ``lr_decay_iters`` (``lr_at``). One step later than Megatron's count, whose first
+    warmup update runs at lr 0. Weight decay skips biases and 1-D parameters (norms), as Megatron does.
     """
 
     lr: float = 1e-5
@@ -51,6 +54,9 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # 0 disables clipping
     lr_warmup_iters: int = 0
     max_skipped_steps: int = 5  # non-finite updates skipped in a row before the run stops (0: the first one stops it)
+    lr_decay_style: str = "constant"  # or "linear", "cosine" (Megatron's)
+    lr_decay_iters: int | None = None  # updates over which lr decays to min_lr (the run's length, set by arguments)
+    min_lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -64,11 +70,26 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError("lr_decay_style", f"must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("min_lr", f"must be in [0, lr = {self.lr}], got {self.min_lr}")
+        if self.lr_decay_style != "constant" and (self.lr_decay_iters or 0) <= self.lr_warmup_iters:
+            raise ConfigError("lr_decay_iters", f"{self.lr_decay_iters} must exceed the warmup's "
+                              f"{self.lr_warmup_iters} updates for a {self.lr_decay_style} decay")
 
     def lr_at(self, update: int) -> float:
-        if self.lr_warmup_iters and update < self.lr_warmup_iters:
-            return self.lr * (update + 1) / self.lr_warmup_iters
-        return self.lr
+        """Megatron's ``OptimizerParamScheduler.get_lr`` (init_lr 0) at step ``update + 1``."""
+        step, warmup = update + 1, self.lr_warmup_iters
+        if warmup and step <= warmup:
+            return self.lr * step / warmup
+        if self.lr_decay_style == "constant":
+            return self.lr
+        if step > self.lr_decay_iters:
+            return self.min_lr
+        ratio = (step - warmup) / (self.lr_decay_iters - warmup)
+        coeff = 1.0 - ratio if self.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.lr - self.min_lr)
 
 
 def _no_weight_decay(name: str, param: torch.Tensor) -> bool:

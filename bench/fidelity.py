@@ -222,7 +222,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lab-cache", type=Path, default=CACHE, help="where the lab model is built and cached")
     p.add_argument("--quick", action="store_true", help="the suite's smoke run: a few-hundred-weight model, 4 updates")
     p.add_argument("--report-only", action="store_true", help="train nothing: the report from the summaries")
-    p.add_argument("--notes", type=Path, default=None, help="hand-written markdown included in the report as is")
+    p.add_argument("--notes", type=Path, default=None,
+                   help="hand-written markdown included in the report as is (default: reading.md beside --summaries)")
     a, extra = p.parse_known_args(argv)
     if a.quick:
         a.mu, a.low_mu, a.updates, a.held_out, a.train_problems, a.k = [2], 1, 4, 8, 64, 2
@@ -232,6 +233,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.eval_every = a.eval_every or max(a.updates // 16, 1)
     a.summaries = a.summaries or (a.out / "summaries" if a.quick else REPO / "docs" / "fidelity-4stage" / "runs")
     a.report = a.report or (a.out / "fidelity.md" if a.quick else REPO / "docs" / "fidelity-4stage.md")
+    if a.notes is None and (a.summaries.parent / "reading.md").exists():  # the hand-written reading, committed
+        a.notes = a.summaries.parent / "reading.md"
     a.command = " ".join(["bench/fidelity.py", *(argv if argv is not None else sys.argv[1:])])
     a.extra = extra
     return a

@@ -194,6 +194,7 @@ def run_one(a: argparse.Namespace, key: RunKey) -> bool:
         train(a, key)
     except RuntimeError as e:  # one run's failure must not lose the others' results
         print(f"[{name}] FAILED: {e}", flush=True)
+        a.failed.add(name)  # not retried by this process's --plan loop
     write_report(a, load_runs(a.summaries))
     return True
 
@@ -237,6 +238,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.notes = a.summaries.parent / "reading.md"
     a.command = " ".join(["bench/fidelity.py", *(argv if argv is not None else sys.argv[1:])])
     a.extra = extra
+    a.failed = set()
     return a
 
 
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
             if a.until and time.strftime("%H:%M", time.gmtime()) >= a.until:
                 print(f"--until {a.until}: no new run", flush=True)
                 break
-            todo = plan.next_keys(a, [r for r in load_runs(a.summaries) if r.lab_model == a.lab])
+            todo = [k for k in plan.next_keys(a, [r for r in load_runs(a.summaries) if r.lab_model == a.lab])
+                    if k.name(a) not in a.failed]
             if not todo or not any(run_one(a, k) for k in todo[:1] + todo[1:2]):
                 print("plan: nothing left to start (finished, claimed, or waiting on a rule)", flush=True)
                 break

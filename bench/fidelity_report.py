@@ -208,7 +208,7 @@ def write_report(a, runs: list) -> None:
     if other:
         out += [f"{len(other)} summaries in the folder are from another lab model or task and are not used.", ""]
     if getattr(a, "notes", None) is not None:
-        out += [f"## Reading (hand-written: `{a.notes}`)", "", a.notes.read_text().strip(), ""]
+        out += [f"## Reading (hand-written: `{_rel(a.notes)}`)", "", a.notes.read_text().strip(), ""]
     out += ["## History", "", HISTORY, ""]
     a.report.write_text("\n".join(out) + "\n")
 

@@ -154,7 +154,8 @@ def write_report(a, runs: list) -> None:
         f"`{_rel(a.summaries)}/` (one JSON per finished run: config, evaluations, per-update curves).", "",
         "**To continue the set** (one run at a time per core; finished keys are skipped, a key another process is "
         "training is left to it): `PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --plan` "
-        "(`--until HH:MM` stops starting runs at that UTC time; commit `docs/fidelity-4stage*` after). "
+        "(`--until HH:MM` stops starting runs at that UTC time; on two cores, start it in two shells: the second "
+        "takes the next unclaimed key; commit `docs/fidelity-4stage*` after). "
         "`--report-only` regenerates this file.", "",
         "## Set-up", "",
         f"- **Lab model** (`megamu/lab/model.py`, spec `{a.lab['spec']}`): Llama-shaped, {spec['num_hidden_layers']} "
@@ -196,7 +197,7 @@ def write_report(a, runs: list) -> None:
         out += ["Pending: the lr rule has not chosen an lr, so no claim is read yet.", ""]
     out += ["## Plan status", ""]
     todo = plan.next_keys(a, mine) if gate_state != "fail" else []
-    out += [f"{len(mine)} runs finished on this lab model; next in the plan: "
+    out += [f"Finished runs on this lab model: {len(mine)}; next in the plan: "
             + (", ".join(f"`{k.name(a).split('-lr')[0]}` lr {k.lr:g}" for k in todo[:8]) or "nothing")
             + (f" and {len(todo) - 8} more" if len(todo) > 8 else "") + ".", ""]
     rest = [r for r in mine if r.mu != a.low_mu and r.lr != chosen]

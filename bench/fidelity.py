@@ -212,7 +212,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low-mu", type=int, default=4, help="μ of grpo and mu-grpo-mu4")
     p.add_argument("--updates", type=int, default=4096, help="updates per run (stages = updates / μ)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
-    p.add_argument("--lr", type=float, default=None, help="ad-hoc runs: their lr")
+    p.add_argument("--lr", type=float, default=None,
+                   help="ad-hoc runs: their lr; with --plan, the set's lr when the registered rule found none")
     p.add_argument("--prompts-per-update", type=int, default=2)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
     p.add_argument("--max-response-len", type=int, default=None, help="default: the lab model's longest reply + 8")

@@ -131,6 +131,11 @@ def next_keys(a, runs) -> list:
     if gate(get)[0] == "fail":
         return []
     chosen, nxt, _ = lr_search(get)
+    if chosen is None and nxt is None and a.lr is not None:  # the rule found none: an lr set by hand, reported so
+        chosen = a.lr
+        rule = [(label, seed) for label, seed in RULE_RUNS if get(label, seed, chosen) is None]
+        if rule:  # its App. C.4 runs first, so the report shows whether μ = 4 holds at it
+            return [a.key_of(label, seed, chosen) for label, seed in rule]
     if nxt is not None:
         return [a.key_of(label, seed, nxt) for label, seed in RULE_RUNS if get(label, seed, nxt) is None]
     if chosen is None:

@@ -145,6 +145,11 @@ def write_report(a, runs: list) -> None:
 
     gate_state, gate_detail = plan.gate(get)
     chosen, nxt, lr_log = plan.lr_search(get)
+    by_hand = chosen is None and nxt is None and a.lr is not None
+    if chosen is None and nxt is None:
+        lr_log.append("**the registered rule found no lr**: the set stops here unless an lr is set by hand "
+                      + (f"(this report: `--lr {a.lr:g}`, outside the rule)" if by_hand else "(`--plan --lr X`)"))
+    chosen = a.lr if by_hand else chosen
     b = a.build
     spec = b["spec"]
     out = [
@@ -174,13 +179,14 @@ def write_report(a, runs: list) -> None:
         "## Rules (written before the runs)", "", plan.RULES, "",
         "## Gate", "", f"**{gate_state}**: {gate_detail}.", "",
         "## The lr rule", "", *[f"- {x}" for x in lr_log],
-        f"- **chosen lr**: {chosen:g}" if chosen else "- **chosen lr**: pending"
+        f"- **lr of the set**: {chosen:g}" + (" (set by hand, not by the rule)" if by_hand else " (the rule's)")
+        if chosen else "- **lr of the set**: pending"
         + (f" (next: the rule runs at {nxt:g})" if nxt else ""), "",
         *table([r for r in mine if r.mu == a.low_mu]), ""]
     if figs.accuracy_panels([r for r in mine if r.mu == a.low_mu], fig_dir / "lr_rule.png",
                             "lr rule runs: grpo and mu-grpo-mu4 at μ = 4"):
         out += [f"![lr rule runs]({fig_dir.name}/lr_rule.png)", ""]
-    out += ["## Results at the rule's lr", ""]
+    out += ["## Results at the set's lr", ""]
     if chosen:
         at = [r for r in mine if r.lr == chosen]
         out += [*table(at), ""]
@@ -194,7 +200,7 @@ def write_report(a, runs: list) -> None:
                 out += [f"![{title}]({fig_dir.name}/{name})", ""]
         out += ["## Claims", "", *[f"- {v}" for v in verdicts(mine, chosen, a.mu[0], a.low_mu, a.updates)], ""]
     else:
-        out += ["Pending: the lr rule has not chosen an lr, so no claim is read yet.", ""]
+        out += ["Pending: no lr for the set yet, so no claim is read.", ""]
     out += ["## Plan status", ""]
     todo = plan.next_keys(a, mine) if gate_state != "fail" else []
     out += [f"Finished runs on this lab model: {len(mine)}; next in the plan: "
@@ -202,8 +208,8 @@ def write_report(a, runs: list) -> None:
             + (f" and {len(todo) - 8} more" if len(todo) > 8 else "") + ".", ""]
     rest = [r for r in mine if r.mu != a.low_mu and r.lr != chosen]
     if rest:
-        out += ["## Other runs (outside the rule's lr; no verdict uses them)", "", *table(rest), ""]
-        if figs.accuracy_panels(rest, fig_dir / "other.png", "runs outside the rule's lr"):
+        out += ["## Other runs (outside the set's lr; no verdict uses them)", "", *table(rest), ""]
+        if figs.accuracy_panels(rest, fig_dir / "other.png", "runs outside the set's lr"):
             out += [f"![other runs]({fig_dir.name}/other.png)", ""]
     other = [r for r in runs if r.lab_model != a.lab]
     if other:

@@ -158,7 +158,7 @@ def test_the_key_changes_with_every_setting_that_changes_the_run(quick):
 def test_quick_report_has_the_rules_the_gate_and_every_run(quick):
     out, _ = quick
     report = (out / "fidelity.md").read_text()
-    assert plan.RULES in report and "## Gate" in report and "chosen lr" in report
+    assert plan.RULES in report and "## Gate" in report and "lr of the set" in report
     assert "--plan" in report and "## History" in report
     for name in ("lr_rule.png", "other.png"):
         png = (out / "fidelity" / name).read_bytes()
@@ -172,3 +172,19 @@ def test_a_second_sitting_reads_finished_runs_back(quick):
     assert again.stdout.count("finished run found: read back") == len(AD_HOC)
     assert first.stdout.count("μ = ") == len(AD_HOC) and again.stdout.count("μ = ") == 0
     assert plan_run.stdout.count("μ = ") == 1  # --max-runs 1
+
+
+def test_when_the_rule_finds_no_lr_the_plan_stops_unless_one_is_set_by_hand():
+    import fidelity
+
+    a = fidelity.parse(["--quick", "--out", "/nonexistent", "--plan"])
+    a.lab, a.key_of = {}, lambda *args: fidelity.key_of(a, *args)
+    # 3e-5: grpo s1 passes the gate but drops from its peak; 1e-5: its clip fraction is below the band
+    runs = [_run("grpo", [0.1, 0.5, 0.6, 0.9, 0.7], mu=1, updates=4, lr=3e-5),
+            _run("grpo", [0.1, 0.5, 0.7, 0.8], mu=1, updates=4, lr=1e-5, clip=3e-5)]
+    for r in runs:
+        r.s["key"] = a.key_of("grpo", 1, r.lr).name(a)
+    assert plan.next_keys(a, runs) == []
+    a.lr = 3e-5
+    todo = [(k.method.label, k.seed, k.lr) for k in plan.next_keys(a, runs)]
+    assert todo == [("grpo", 2, 3e-5), ("mu-grpo-mu4", 1, 3e-5), ("mu-grpo-mu4", 2, 3e-5)]  # App. C.4 first

@@ -161,6 +161,7 @@ def write_report(a, runs: list) -> None:
         "training is left to it): `PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python bench/fidelity.py --plan` "
         "(`--until HH:MM` stops starting runs at that UTC time; on two cores, start it in two shells: the second "
         "takes the next unclaimed key; commit `docs/fidelity-4stage*` after). "
+        "While the registered lr rule has found no lr, `--plan` starts nothing: add `--lr X` (see the lr rule below). "
         "`--report-only` regenerates this file.", "",
         "## Set-up", "",
         f"- **Lab model** (`megamu/lab/model.py`, spec `{a.lab['spec']}`): Llama-shaped, {spec['num_hidden_layers']} "

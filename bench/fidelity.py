@@ -1,43 +1,29 @@
-"""The paper's Figures 2-3 at the paper's staleness, on the lab model (megamu/lab): every method, same samples.
+"""The staleness lab at the paper's schedule (issue 34): 4 stages x μ = 1024, sampled pass@1, the lab model of
+megamu/lab (6-digit column addition), every method at the same rollout samples.
 
-Runs ``pretrain_mu_grpo.py`` (the real trainer, local engine, the math reward on the last \\boxed{}) on the lab model
-and the lab task (column-by-column addition, megamu/lab/task.py), one run per (method, μ, seed), all with the same lr,
-B_mini, G, total updates and so the same rollout samples:
+Runs ``pretrain_mu_grpo.py`` (the real trainer, local engine, the math reward on the last \\boxed{}) once per run key,
+exports the policy every --eval-every updates and scores every export on the held-out problems: greedy, and k samples
+at T = 1 per problem (sampled pass@1, the paper's metric). A finished run leaves one small JSON summary
+(bench/fidelity_summary.py) in --summaries (committed: docs/fidelity-4stage/runs/); its run folder under OUT is
+scratch. The run key names method, μ, stages, seed, lr and a hash of everything else that changes the run or its
+evaluation (updates, τ and every flag, B_mini, G, reply length, held-out set, k, the lab model's weights sha256), so
+a summary is only read back for the run it describes.
 
-- ``grpo`` at μ = --low-mu, colocated (standard GRPO), and ``mu-grpo-mu4``: μ-GRPO at μ = --low-mu (App. C.4);
-- at each μ of --mu, staged, --updates / μ stages: ``grpo-high-staleness`` (clip [0.8, 1.2]), ``grpo-relaxed``
-  (clip [0, 5], no veto), ``mu-grpo`` (S_seq, τ = 1e-4), ``m2po`` (0.04), and μ-GRPO with the veto scopes
-  ``mu-grpo-trigger`` (T), ``mu-grpo-nontrigger-suffix`` (H_κ) and ``mu-grpo-suffix`` (S_κ) (§3.3, App. C.2).
+    bench/fidelity.py --plan            # the pre-registered set in order (gate, lr rule, headline, scopes, τ,
+                                        # single stage), skipping every key with a summary; rewrites the report
+    bench/fidelity.py --report-only     # docs/fidelity-4stage.md from the committed summaries
+    bench/fidelity.py --methods grpo --mu 4 --seeds 3 --lr 3e-5    # one ad-hoc key
 
-Each run exports its policy every --eval-every updates; the bench scores every export on the held-out problems with
-greedy decoding (megamu/lab/evaluate.py), then deletes the exports and checkpoints. A run whose folder holds a finished
-run and its evaluation is read back, not rerun, so seeds and staleness points can be added over several sittings.
-``OUT/summary.json`` has one row per run; the report (``--report``, default OUT/fidelity.md) is rewritten after each.
-
-What docs/fidelity.md ran (OUT = runs/fidelity; one run of 1024 updates took 3-8 min on one core):
-
-    bench/fidelity.py --sweep --out OUT --mu 256 --sweep-lrs 3e-4 1e-4 3e-5   # the lr rule: grpo at μ = --low-mu
-    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256                      # the headline set at the rule's lr
-    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --seeds 2 3 --methods grpo grpo-relaxed mu-grpo
-    # lr 3e-5, outside the rule (--updates 1024 keeps the samples of the runs above; μ = 1024 is one stage):
-    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 64 256 1024 \
-        --methods grpo-relaxed mu-grpo grpo-high-staleness
-    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 256 --methods mu-grpo-trigger mu-grpo-suffix
-    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 1024 \
-        --methods mu-grpo-trigger mu-grpo-suffix mu-grpo-nontrigger-suffix m2po
-    bench/fidelity.py --out OUT --lr 3e-5 --updates 1024 --mu 1024 --seeds 2 3 --methods grpo grpo-relaxed mu-grpo
-    bench/fidelity.py --out OUT --sweep-dir OUT --mu 256 --updates 1024 --report-only --report docs/fidelity.md \
-        --notes docs/fidelity/reading.md
-
-Two sittings may share OUT, one per core: each rereads every finished run when it writes the summary and report.
-
-``--quick`` is the smoke run of the suite: a lab model of a few hundred weights built in seconds, 4 updates per run.
-Flags this script does not know go to pretrain_mu_grpo.py unchanged. Runs are serial; each trainer gets one thread.
+Two sittings may run --plan at once (one per core): a key being trained is claimed (OUT/claims/), the other takes the
+next one. ``--quick`` is the suite's smoke run: a lab model of a few hundred weights built in seconds, 4 updates.
+Flags this script does not know go to pretrain_mu_grpo.py unchanged (and into the key's hash).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -51,7 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from fidelity_report import RunResult, summary_rows, write_report  # noqa: E402
+import fidelity_plan as plan  # noqa: E402
+from fidelity_report import write_report  # noqa: E402
+from fidelity_summary import load_runs, summarize, summary_path, write_summary  # noqa: E402
 
 from megamu.lab.model import CACHE, LabSpec, lab_model_dir  # noqa: E402
 from megamu.lab.task import write_split  # noqa: E402
@@ -66,22 +54,23 @@ class Method:
     note: str = ""
 
 
-# In run order: the reference, the collapse ablation and its cure first, so that a sitting stopped early has answered
-# the main question.
 METHODS = (
     Method("grpo", "grpo", low=True, note="standard GRPO, clip [0.8, 1.2], colocated"),
+    Method("mu-grpo-mu4", "mu-grpo", low=True, note="μ-GRPO at low staleness (App. C.4), colocated"),
     Method("grpo-relaxed", "grpo-relaxed", note="clip [0, 5], no veto"),
     Method("mu-grpo", "mu-grpo", note="clip [0, 5] + veto S_seq, τ = 1e-4"),
     Method("grpo-high-staleness", "grpo-high-staleness", note="clip [0.8, 1.2], staged"),
     Method("mu-grpo-trigger", "mu-grpo", ("--nav-scope", "trigger"), note="clip [0, 5] + veto T (trigger tokens)"),
     Method("mu-grpo-nontrigger-suffix", "mu-grpo", ("--nav-scope", "nontrigger_suffix"), note="clip [0, 5] + veto H_κ"),
     Method("mu-grpo-suffix", "mu-grpo", ("--nav-scope", "suffix"), note="clip [0, 5] + veto S_κ"),
+    Method("mu-grpo-tau1e-2", "mu-grpo", ("--nav-threshold", "1e-2"), note="veto S_seq, τ = 1e-2"),
+    Method("mu-grpo-tau1e-6", "mu-grpo", ("--nav-threshold", "1e-6"), note="veto S_seq, τ = 1e-6"),
     Method("m2po", "m2po", note="no upper clip, second-moment mask 0.04"),
-    Method("mu-grpo-mu4", "mu-grpo", low=True, note="μ-GRPO at low staleness (App. C.4), colocated"),
 )
 BY_LABEL = {m.label: m for m in METHODS}
 QUICK_SPEC = LabSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, max_steps=2, eval_every=1, probe_problems=4, target_accuracy=0.0)
+                     num_key_value_heads=1, digits=4, max_steps=2, eval_every=1, probe_from=0, probe_problems=4,
+                     target_accuracy=0.0)
 
 
 @dataclass(frozen=True)
@@ -90,31 +79,44 @@ class RunKey:
     mu: int
     seed: int
     lr: float
+    updates: int
 
     @property
-    def name(self) -> str:
-        return f"{self.method.label}/mu{self.mu}-s{self.seed}-lr{self.lr:g}"
+    def stages(self) -> int:
+        return self.updates // self.mu
+
+    def config(self, a: argparse.Namespace) -> dict:
+        """Everything that changes the run or its evaluation: the key's hash covers all of it."""
+        m = self.method
+        return {"method": m.label, "algorithm": m.algorithm, "flags": list(m.flags), "mu": self.mu,
+                "stages": self.stages, "updates": self.updates, "seed": self.seed, "lr": self.lr,
+                "mode": "colocated" if m.low else "staged", "prompts_per_update": a.prompts_per_update,
+                "n_samples_per_prompt": a.n_samples_per_prompt, "max_response_len": a.max_response_len,
+                "extra": list(a.extra), "train_problems": a.train_problems, "held_out": a.held_out,
+                "k": a.k, "eval_every": a.eval_every, "lab_model": a.lab}
+
+    def name(self, a: argparse.Namespace) -> str:
+        h = hashlib.sha256(json.dumps(self.config(a), sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.method.label}/mu{self.mu}x{self.stages}-s{self.seed}-lr{self.lr:g}-{h}"
 
 
-def run_dir(a: argparse.Namespace, key: RunKey) -> Path:
-    return a.out / "runs" / key.name
+def key_of(a: argparse.Namespace, label: str, seed: int, lr: float, mu: int | None = None) -> RunKey:
+    """The key of ``label`` at ``seed`` and ``lr``: μ = --low-mu for the colocated methods, else ``mu`` or --mu."""
+    method = BY_LABEL[label]
+    return RunKey(method, mu or (a.low_mu if method.low else a.mu[0]), seed, lr, a.updates)
 
 
-def is_done(save: Path) -> bool:
-    """Finished and evaluated: the bench writes lab_eval.json last, after the trainer's final record."""
-    return (save / "lab_eval.json").exists()
-
-
-def train(a: argparse.Namespace, key: RunKey, model: Path, train_file: Path) -> None:
-    save = run_dir(a, key)
+def train(a: argparse.Namespace, key: RunKey) -> dict:
+    name = key.name(a)
+    save = a.out / "runs" / name
     if save.exists():  # half-finished: the trainer would resume, but the exports of the old part may be gone
         shutil.rmtree(save)
     save.mkdir(parents=True)
     m = key.method
-    stages, mode = a.updates // key.mu, ("colocated" if m.low else "staged")
+    mode = "colocated" if m.low else "staged"
     cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--algorithm", m.algorithm, *m.flags,
-           "--hf-checkpoint", str(model), "--prompt-data", str(train_file), "--save", str(save),
-           "--mu", str(key.mu), "--num-stages", str(stages), "--prompts-per-update", str(a.prompts_per_update),
+           "--hf-checkpoint", str(a.model), "--prompt-data", str(a.train_file), "--save", str(save),
+           "--mu", str(key.mu), "--num-stages", str(key.stages), "--prompts-per-update", str(a.prompts_per_update),
            "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--rollout-mode", mode, "--seed", str(key.seed),
            "--lr", f"{key.lr:g}", "--eval-prompts", "0", "--hf-export-interval", str(a.eval_every),
            "--rollout-max-response-len", str(a.max_response_len), "--save-interval", "0", "--keep-checkpoints", "1",
@@ -123,136 +125,162 @@ def train(a: argparse.Namespace, key: RunKey, model: Path, train_file: Path) -> 
            "--rollout-batch-size", "256", "--rollout-groups-per-shard", "64",
            *a.extra]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-    print(f"[{key.name}] {m.algorithm} {' '.join(m.flags)} μ = {key.mu} x {stages} stages, {mode}", flush=True)
+    print(f"[{name}] {m.algorithm} {' '.join(m.flags)} μ = {key.mu} x {key.stages} stages, {mode}", flush=True)
     t0 = time.perf_counter()
     with (save / "trainer.log").open("w") as log:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = (save / "trainer.log").read_text()[-3000:]
-        raise RuntimeError(f"{key.name}: pretrain_mu_grpo.py failed ({rc}):\n{tail}")
-    evaluate(a, key, model, time.perf_counter() - t0)
-
-
-def evaluate(a: argparse.Namespace, key: RunKey, model: Path, train_s: float) -> None:
-    """Greedy held-out accuracy of the base model and of every export, then the exports and checkpoints go."""
-    from megamu.lab.evaluate import accuracy, load
-    from megamu.lab.task import read_rows
-
-    save = run_dir(a, key)
-    rows = read_rows(a.held_out)
-    base = a.out / "base_eval.json"
-    if not base.exists():  # the same model and problems for every run: scored once
-        m, tok = load(model)
-        base.write_text(json.dumps(accuracy(m, tok, rows, greedy=True, max_new_tokens=a.max_response_len).to_json()))
-    points = [{"update": 0, **json.loads(base.read_text())}]
+        raise RuntimeError(f"{name}: pretrain_mu_grpo.py failed ({rc}):\n{tail}")
+    train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for d in sorted((save / "hf").glob("iter_*"), key=lambda p: int(p.name.split("_")[1])):
-        m, tok = load(d)
-        acc = accuracy(m, tok, rows, greedy=True, max_new_tokens=a.max_response_len)
-        points.append({"update": int(d.name.split("_")[1]), **acc.to_json()})
-    record = {"method": key.method.label, "algorithm": key.method.algorithm, "flags": list(key.method.flags),
-              "mu": key.mu, "seed": key.seed, "lr": key.lr, "updates": a.updates,
-              "stages": a.updates // key.mu, "prompts_per_update": a.prompts_per_update,
-              "n_samples_per_prompt": a.n_samples_per_prompt, "max_response_len": a.max_response_len,
-              "train_s": round(train_s, 1), "eval_s": round(time.perf_counter() - t0, 1), "evals": points}
+    exports = sorted((save / "hf").glob("iter_*"), key=lambda p: int(p.name.split("_")[1]))
+    evals = [base_eval(a)] + [evaluate(a, d, int(d.name.split("_")[1])) for d in exports]
+    summary = summarize(save, name, key.config(a), evals,
+                        {"train_s": round(train_s, 1), "eval_s": round(time.perf_counter() - t0, 1)})
     for path in [*save.glob("iter_*"), save / "hf"]:
         shutil.rmtree(path, ignore_errors=True)
-    (save / "lab_eval.json").write_text(json.dumps(record, indent=1))
+    write_summary(a.summaries, summary)
+    return summary
 
 
-def run_all(a: argparse.Namespace, keys: list[RunKey], model: Path, train_file: Path) -> None:
-    for key in keys:
-        save = run_dir(a, key)
-        if is_done(save):
-            print(f"[{key.name}] finished run found: read back", flush=True)
-        else:
-            try:
-                train(a, key, model, train_file)
-            except RuntimeError as e:  # one run's failure must not lose the others' results
-                print(f"[{key.name}] FAILED: {e}", flush=True)
-                continue
-        write_outputs(a)
+def evaluate(a: argparse.Namespace, hf_dir: Path, update: int) -> dict:
+    """Greedy and sampled (T = 1, k per problem, a fixed seed for every export) accuracy on the held-out rows."""
+    from megamu.lab.evaluate import accuracy, load, sampled_pass_at_1
+    from megamu.lab.task import read_rows
+
+    rows = read_rows(a.held_out_file)
+    model, tok = load(hf_dir)
+    g = accuracy(model, tok, rows, greedy=True, max_new_tokens=a.max_response_len)
+    s = sampled_pass_at_1(model, tok, rows, a.k, seed=0, max_new_tokens=a.max_response_len)
+    return {"update": update, "n": g.n, "k": a.k, "sampled": s.accuracy, "greedy": g.accuracy,
+            "sampled_mean_length": round(s.mean_length, 2), "sampled_truncated": s.truncated,
+            "greedy_truncated": g.truncated}
 
 
-def write_outputs(a: argparse.Namespace) -> None:
-    """summary.json over every finished run under OUT (not only this invocation's), then the report."""
-    everything = [RunResult.load(d.parent, "") for d in sorted((a.out / "runs").glob("*/*/lab_eval.json"))]
-    notes = {m.label: m.note for m in METHODS}
-    for r in everything:
-        r.note = notes.get(r.method, "")
-    (a.out / "summary.json").write_text(json.dumps(summary_rows(everything), indent=1))
-    if not a.sweep:
-        write_report(a, everything)
+def base_eval(a: argparse.Namespace) -> dict:
+    """The lab model's own scores: the same for every run of one model and held-out set, so scored once."""
+    h = hashlib.sha256(json.dumps([a.lab, a.held_out, a.k, a.max_response_len]).encode()).hexdigest()[:8]
+    path = a.out / f"base_eval-{h}.json"
+    if not path.exists():
+        path.write_text(json.dumps(evaluate(a, a.model, 0)))
+    return json.loads(path.read_text())
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+def claim(a: argparse.Namespace, name: str) -> bool:
+    """Take ``name`` for this process unless a live one holds it (two sittings, one per core, share OUT)."""
+    d = a.out / "claims"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name.replace("/", "__")
+    try:
+        pid = int(path.read_text())
+        os.kill(pid, 0)
+        return pid == os.getpid()
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        path.write_text(str(os.getpid()))
+        return int(path.read_text()) == os.getpid()
+
+
+def run_one(a: argparse.Namespace, key: RunKey) -> bool:
+    """Train ``key`` unless its summary exists or another process holds it; True when it was trained."""
+    name = key.name(a)
+    if summary_path(a.summaries, name).exists():
+        print(f"[{name}] finished run found: read back", flush=True)
+        return False
+    if not claim(a, name):
+        print(f"[{name}] being trained by another process: skipped", flush=True)
+        return False
+    try:
+        train(a, key)
+    except RuntimeError as e:  # one run's failure must not lose the others' results
+        print(f"[{name}] FAILED: {e}", flush=True)
+        a.failed.add(name)  # not retried by this process's --plan loop
+    write_report(a, load_runs(a.summaries))
+    return True
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="runs, summary.json and (by default) the report")
-    p.add_argument("--report", type=Path, default=None, help="default: OUT/fidelity.md (figures in OUT/fidelity/)")
-    p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=list(BY_LABEL))
-    p.add_argument("--mu", type=int, nargs="+", default=[256], help="μ of the staged methods (several: the curve)")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "fidelity4", help="run folders (scratch)")
+    p.add_argument("--summaries", type=Path, default=None, help="default docs/fidelity-4stage/runs (committed)")
+    p.add_argument("--report", type=Path, default=None, help="default docs/fidelity-4stage.md")
+    p.add_argument("--plan", action="store_true", help="the pre-registered run set, in order (fidelity_plan.py)")
+    p.add_argument("--until", default=None, help="HH:MM UTC: --plan starts no run after this time")
+    p.add_argument("--max-runs", type=int, default=None, help="--plan trains at most this many runs")
+    p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=[])
+    p.add_argument("--mu", type=int, nargs="+", default=[1024], help="μ of the staged methods")
     p.add_argument("--low-mu", type=int, default=4, help="μ of grpo and mu-grpo-mu4")
-    p.add_argument("--updates", type=int, default=None, help="updates per run (default 4 x the largest --mu)")
+    p.add_argument("--updates", type=int, default=4096, help="updates per run (stages = updates / μ)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
-    p.add_argument("--lr", type=float, default=None, help="the sweep's choice (default: read from --sweep-dir)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="ad-hoc runs: their lr; with --plan, the set's lr when the registered rule found none")
     p.add_argument("--prompts-per-update", type=int, default=2)
     p.add_argument("--n-samples-per-prompt", type=int, default=8)
-    p.add_argument("--max-response-len", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=None, help="updates between held-out evaluations (default /16)")
-    p.add_argument("--held-out", type=int, default=200, help="held-out problems (greedy accuracy)")
+    p.add_argument("--max-response-len", type=int, default=None, help="default: the lab model's longest reply + 8")
+    p.add_argument("--eval-every", type=int, default=None, help="updates between evaluations (default /16)")
+    p.add_argument("--held-out", type=int, default=128, help="held-out problems")
+    p.add_argument("--k", type=int, default=4, help="samples per held-out problem (sampled pass@1)")
     p.add_argument("--train-problems", type=int, default=20000)
     p.add_argument("--lab-cache", type=Path, default=CACHE, help="where the lab model is built and cached")
     p.add_argument("--quick", action="store_true", help="the suite's smoke run: a few-hundred-weight model, 4 updates")
-    p.add_argument("--sweep", action="store_true", help="the lr sweep: grpo at μ = --low-mu, at each --sweep-lrs")
-    p.add_argument("--sweep-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4, 1e-3])
-    p.add_argument("--sweep-dir", type=Path, default=None, help="a --sweep --out folder: its table and its lr")
-    p.add_argument("--report-only", action="store_true", help="train nothing: the report from the finished runs")
-    p.add_argument("--notes", type=Path, default=None, help="hand-written markdown included in the report as is")
+    p.add_argument("--report-only", action="store_true", help="train nothing: the report from the summaries")
+    p.add_argument("--notes", type=Path, default=None,
+                   help="hand-written markdown included in the report as is (default: reading.md beside --summaries)")
     a, extra = p.parse_known_args(argv)
     if a.quick:
-        a.mu, a.low_mu, a.updates, a.held_out, a.train_problems = [2], 1, 4, 8, 64
-        a.eval_every, a.max_response_len = a.eval_every or 2, min(a.max_response_len, 16)
-    a.updates = a.updates or 4 * max(a.mu)
+        a.mu, a.low_mu, a.updates, a.held_out, a.train_problems, a.k = [2], 1, 4, 8, 64, 2
+        a.eval_every, a.max_response_len = a.eval_every or 2, a.max_response_len or 16
+    a.spec = QUICK_SPEC if a.quick else LabSpec()
+    a.max_response_len = a.max_response_len or a.spec.max_new_tokens
     a.eval_every = a.eval_every or max(a.updates // 16, 1)
-    for mu in [*a.mu, a.low_mu]:
-        if a.updates % mu:
-            p.error(f"--updates {a.updates} must be a multiple of every μ (got {mu})")
-    a.report = a.report or a.out / "fidelity.md"
+    a.summaries = a.summaries or (a.out / "summaries" if a.quick else REPO / "docs" / "fidelity-4stage" / "runs")
+    a.report = a.report or (a.out / "fidelity.md" if a.quick else REPO / "docs" / "fidelity-4stage.md")
+    if a.notes is None and (a.summaries.parent / "reading.md").exists():  # the hand-written reading, committed
+        a.notes = a.summaries.parent / "reading.md"
     a.command = " ".join(["bench/fidelity.py", *(argv if argv is not None else sys.argv[1:])])
     a.extra = extra
-    return a, extra
-
-
-def chosen_lr(sweep_dir: Path) -> float:
-    from fidelity_report import sweep_choice
-
-    lr = sweep_choice([RunResult.load(d.parent, "") for d in sweep_dir.glob("runs/*/*/lab_eval.json")])
-    if lr is None:
-        raise SystemExit(f"bench/fidelity.py: no swept lr in {sweep_dir} passes the rule; pass --lr")
-    return lr
+    a.failed = set()
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:
-    a, _ = parse(argv)
+    a = parse(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    spec = QUICK_SPEC if a.quick else LabSpec()
-    model = a.model = lab_model_dir(spec, a.lab_cache)
-    train_file, a.held_out = write_split(a.out / "data", a.train_problems, a.held_out, seed=spec.seed + 1,
-                                         digits=spec.digits)
-    if a.sweep:
-        keys = [RunKey(BY_LABEL["grpo"], a.low_mu, a.seeds[0], lr) for lr in a.sweep_lrs]
+    a.key_of = functools.partial(key_of, a)
+    record = a.summaries.parent / "lab_build.json"  # committed beside the summaries: --report-only needs no model
+    if a.report_only and record.exists():
+        a.build = json.loads(record.read_text())
+    else:
+        a.model = lab_model_dir(a.spec, a.lab_cache)
+        a.build = json.loads((a.model / "lab_build.json").read_text())
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(a.build, indent=1))
+    a.lab = {"spec": a.spec.key(), "digits": a.spec.digits, "weights_sha256": a.build["weights_sha256"]}
+    a.train_file, a.held_out_file = write_split(a.out / f"data-{a.spec.digits}d", a.train_problems, a.held_out,
+                                                seed=a.spec.seed + 1, digits=a.spec.digits)
+    if a.report_only:
+        pass
+    elif a.plan:
+        trained = 0
+        while a.max_runs is None or trained < a.max_runs:
+            if a.until and time.strftime("%H:%M", time.gmtime()) >= a.until:
+                print(f"--until {a.until}: no new run", flush=True)
+                break
+            todo = [k for k in plan.next_keys(a, [r for r in load_runs(a.summaries) if r.lab_model == a.lab])
+                    if k.name(a) not in a.failed]
+            if not todo or not any(run_one(a, k) for k in todo[:1] + todo[1:2]):
+                print("plan: nothing left to start (finished, claimed, or waiting on a rule)", flush=True)
+                break
+            trained += 1
     else:
         if a.lr is None:
-            if a.sweep_dir is None:
-                raise SystemExit("bench/fidelity.py: pass --lr, or --sweep-dir to take the sweep's choice")
-            a.lr = chosen_lr(a.sweep_dir)
-        keys = [RunKey(BY_LABEL[label], mu, seed, a.lr) for seed in a.seeds for label in a.methods
-                for mu in ([a.low_mu] if BY_LABEL[label].low else a.mu)]
-    if a.report_only:
-        write_outputs(a)
-    else:
-        run_all(a, keys, model, train_file)
-    print(f"summary: {a.out / 'summary.json'}" + ("" if a.sweep else f"; report: {a.report}"), flush=True)
+            raise SystemExit("bench/fidelity.py: pass --lr (or --plan, which follows the pre-registered lr rule)")
+        for seed in a.seeds:
+            for label in a.methods:
+                for mu in ([a.low_mu] if BY_LABEL[label].low else a.mu):
+                    run_one(a, RunKey(BY_LABEL[label], mu, seed, a.lr, a.updates))
+    write_report(a, load_runs(a.summaries))
+    print(f"summaries: {a.summaries}; report: {a.report}", flush=True)
 
 
 if __name__ == "__main__":

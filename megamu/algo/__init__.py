@@ -4,18 +4,22 @@ from megamu.algo.advantages import ADVANTAGE_EPS, group_advantages
 from megamu.algo.config import AGGREGATIONS, AlgoConfig
 from megamu.algo.loss import aggregate, m2po_mask, policy_loss
 from megamu.algo.presets import ALGORITHM_PRESETS, algo_preset
+from megamu.algo.tail import REFERENCE_TAU, lower_tail_stats, neg_adv_log_ratios
 from megamu.algo.veto import VETO_SCOPES, veto_mask
 
 __all__ = [
     "ADVANTAGE_EPS",
     "AGGREGATIONS",
     "ALGORITHM_PRESETS",
+    "REFERENCE_TAU",
     "VETO_SCOPES",
     "AlgoConfig",
     "aggregate",
     "algo_preset",
     "group_advantages",
+    "lower_tail_stats",
     "m2po_mask",
+    "neg_adv_log_ratios",
     "policy_loss",
     "veto_mask",
 ]

@@ -62,6 +62,14 @@ def accuracy(model, tokenizer, rows: list[tuple[str, str]], *, greedy: bool, max
     return Accuracy(hits / n, n, lengths / n, truncated / n)
 
 
+def sampled_pass_at_1(model, tokenizer, rows: list[tuple[str, str]], k: int, *, seed: int = 0,
+                      max_new_tokens: int = 64) -> Accuracy:
+    """Sampled pass@1 (the paper's metric): ``k`` replies per row at T = 1, scored one by one; ``n`` counts replies.
+    The same ``seed`` for every checkpoint, so two checkpoints are compared on the same random stream."""
+    return accuracy(model, tokenizer, [r for r in rows for _ in range(k)], greedy=False, seed=seed,
+                    max_new_tokens=max_new_tokens)
+
+
 def _decode(model, prompt: torch.Tensor, eos: int, greedy: bool, max_new: int, gen: torch.Generator) -> list[list[int]]:
     """Plain KV-cache decoding at T = 1 (no top-k/top-p, as in the trainer's rollouts) or greedy."""
     out = model(input_ids=prompt, use_cache=True)

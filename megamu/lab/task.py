@@ -23,6 +23,12 @@ from pathlib import Path
 DIGITS = 4
 
 
+def max_reply_chars(digits: int) -> int:
+    """The longest reference reply for ``digits``-digit operands: ``digits`` lines ``x+y+c=ss`` (8 chars at most)
+    and their newlines, then ``\\boxed{}`` around a sum of up to ``digits + 1`` digits."""
+    return digits * 9 + len("\\boxed{}") + digits + 1
+
+
 def solution(a: int, b: int) -> str:
     """The reference reply for ``a + b`` (both non-negative, any number of digits)."""
     xs, ys = str(a)[::-1], str(b)[::-1]

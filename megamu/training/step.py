@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
-from megamu.algo import AlgoConfig, policy_loss
+from megamu.algo import REFERENCE_TAU, AlgoConfig, lower_tail_stats, neg_adv_log_ratios, policy_loss
 from megamu.model import score_tokens
 from megamu.records import RolloutSample
 from megamu.training.batch import (
@@ -103,6 +103,7 @@ def train_step(
                           "row_tokens", *TOKEN_STATS), 0.0)
     sums["veto_sequence_fraction"] = 0.0
     log_ratio_min = math.inf
+    tails: list[tuple[torch.Tensor, torch.Tensor]] = []  # A < 0 tokens' log ρ and replies' min: a quantile, not a sum
 
     optimizer.zero_grad()
     for mb in micro_batches:
@@ -113,6 +114,7 @@ def train_step(
         mb_tok = st["n_tokens"]
         weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
         (loss * weight).backward()
+        tails.append(neg_adv_log_ratios(logp, batch.behaviour_logp, batch.advantages, batch.response_mask))
 
         rows = float(batch.response_mask.any(dim=1).sum())
         sums["read_tokens"] += batch.input_ids.numel()  # positions the model reads, padding included
@@ -141,6 +143,11 @@ def train_step(
         dist.all_reduce(totals, group=parallel.dp_group())
         dist.all_reduce(min_log_ratio, op=dist.ReduceOp.MIN, group=parallel.dp_group())
     t = dict(zip(keys, totals.tolist()))
+    tail = [torch.cat([x[i].cpu() for x in tails]) if tails else torch.zeros(0, dtype=torch.float64) for i in (0, 1)]
+    if parallel.dp_size() > 1:  # the whole minibatch's tail, not one rank's
+        gathered: list = [None] * parallel.dp_size()
+        dist.all_gather_object(gathered, [x.tolist() for x in tail], group=parallel.dp_group())
+        tail = [torch.tensor([v for g in gathered for v in g[i]], dtype=torch.float64) for i in (0, 1)]
     elapsed = time.perf_counter() - start
 
     def per(key: str, denom: float) -> float:
@@ -154,6 +161,7 @@ def train_step(
         "veto_sequence_fraction": per("veto_sequence_fraction", t["rows"]),
         "ratio_neg_adv_mean": per("ratio_neg_adv", t["neg_tokens"]),
         "log_ratio_min": float(min_log_ratio) if math.isfinite(float(min_log_ratio)) else float("nan"),
+        **lower_tail_stats(*tail, algo.veto_threshold or REFERENCE_TAU),
         "entropy": per("entropy", t["tokens"]),
         "grad_norm": grad_norm,
         "lr": lr,

@@ -16,7 +16,8 @@ from megamu.reward.math import math_score
 from megamu.tiny import save_tiny_model
 
 TINY = lab_model.LabSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_steps=3, eval_every=1, probe_problems=4, target_accuracy=0.0)
+                         num_key_value_heads=1, digits=4, max_steps=3, eval_every=1, probe_from=0, probe_problems=4,
+                         target_accuracy=0.0)
 
 
 @pytest.mark.parametrize("digits", [1, 3, 4, 6])
@@ -129,3 +130,39 @@ def test_accuracy_scores_each_reply_and_counts_truncation(tmp_path):
     lengths = [r.index(tok.eos_token_id) if s else len(r) for r, s in zip(replies, stopped)]
     assert got.mean_length == pytest.approx(sum(lengths) / 3)
     assert got.accuracy == 0.0  # a random model boxes no sum
+
+
+# The weights sha256 of TINY's build, recorded on the machine that wrote this test (AMD EPYC). A golden value on
+# purpose: the build is meant to give the same float32 weights on every CPU (float64 training, issue 34), and only a
+# checksum taken elsewhere can show that it does; a CPU that fails here would also be refused the pinned lab model.
+TINY_SHA256 = "2daccf1201358a107e41e9ad00884a6e35b3e718ced8980dbd23321a4d118765"
+
+
+def test_the_build_is_the_same_on_every_cpu(tmp_path):
+    folder = lab_model.lab_model_dir(TINY, tmp_path, log=lambda _: None, pinned={TINY.key(): TINY_SHA256})
+    assert json.loads((folder / "lab_build.json").read_text())["weights_sha256"] == TINY_SHA256
+
+
+def test_weights_that_differ_from_the_pinned_or_recorded_checksum_are_refused(tmp_path):
+    folder = lab_model.lab_model_dir(TINY, tmp_path, log=lambda _: None)
+    with pytest.raises(RuntimeError, match="pinned reference build"):
+        lab_model.lab_model_dir(TINY, tmp_path, pinned={TINY.key(): "0" * 64})
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1e-3  # a cache edited (or copied from another machine) after its build
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="not the one its build recorded"):
+        lab_model.lab_model_dir(TINY, tmp_path, pinned={})
+
+
+def test_the_checksum_covers_names_shapes_and_bytes(tmp_path):
+    from safetensors.torch import save_file
+
+    for name, tensors in (("a", {"w": torch.ones(2, 3)}), ("b", {"v": torch.ones(2, 3)}),
+                          ("c", {"w": torch.ones(3, 2)}), ("d", {"w": torch.ones(2, 3, dtype=torch.float64)})):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    sums = {lab_model.weights_sha256(tmp_path / n) for n in "abcd"}
+    assert len(sums) == 4

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,11 @@ def test_mu_grpo_updates_lower_loss_and_report_veto_and_clip(tiny, batch):
     assert first["veto_sequence_fraction"] == pytest.approx(len(vetoed) / len(samples))
     assert first["veto_token_fraction"] == pytest.approx(sum(len(s.response_ids) for s in vetoed) / n_tok)
     assert first["clip_fraction"] == pytest.approx(clipped / n_tok)
+    # the lower tail of log ρ on A < 0 tokens (megamu.algo.tail), from the same per-token values in numpy
+    neg = [(s, cur) for s, cur in zip(samples, lp) if s.advantage < 0]
+    neg_log_ratios = [a - b for s, cur in neg for a, b in zip(cur, s.behaviour_logprobs)]
+    assert first["neg_adv_log_ratio_p10"] == pytest.approx(float(np.quantile(neg_log_ratios, 0.1)), abs=1e-5)
+    assert first["neg_adv_reply_below_tau"] == pytest.approx(len(vetoed) / len(neg))
     assert first["loss"] == pytest.approx(start, rel=1e-5)
     assert first["lr"] == 3e-3 and first["grad_norm"] > 0 and first["n_tokens"] == n_tok
     for _ in range(4):

@@ -86,6 +86,13 @@ def main(hf_dir: str, ckpt_dir: str) -> None:
         assert abs(m["loss"] - ref_loss.item()) <= rtol * max(1.0, abs(ref_loss.item())), (m["loss"], ref_loss)
         for k in ("clip_fraction", "veto_token_fraction", "veto_sequence_fraction", "ratio_neg_adv_mean", "approx_kl"):
             assert abs(m[k] - ref_stats[k]) <= rtol * max(1.0, abs(ref_stats[k])), (aggregation, k, m[k], ref_stats[k])
+        # the lower tail of log ρ is a quantile over the whole minibatch (megamu.algo.tail), gathered over the ranks
+        neg = [(s, cur) for s, cur in zip(samples, lp) if s.advantage < 0]
+        tokens = torch.tensor([a - b for s, cur in neg for a, b in zip(cur, s.behaviour_logprobs)], dtype=torch.float64)
+        # compute_logprobs rounds log-probs to fp32: each log ρ here is off by at most 2 eps32 x the largest |log p|
+        largest = max(abs(x) for s, cur in neg for x in (*cur, *s.behaviour_logprobs))
+        bound = 2 * torch.finfo(torch.float32).eps * largest
+        assert abs(m["neg_adv_log_ratio_p10"] - float(torch.quantile(tokens, 0.1))) <= bound, m
         log(f"DP=2 {aggregation}: max rel grad diff {diff:.2e}")
 
     # 2. one μ-GRPO update at TP=1 (DP=2) ... (fp64 again: TP only reorders sums, see fp64_model_rtol)

@@ -122,7 +122,7 @@ def train(a: argparse.Namespace, key: RunKey) -> dict:
            "--rollout-max-response-len", str(a.max_response_len), "--save-interval", "0", "--keep-checkpoints", "1",
            "--keep-hf-exports", "0",  # every export is scored (then dropped by this bench)
            # the local engine decodes 256 rows at once: 2x the samples/s of its default 128 on this model (measured)
-           "--rollout-batch-size", "256", "--rollout-groups-per-shard", "64",
+           "--local-engine-batch-size", "256", "--rollout-groups-per-shard", "64",
            *a.extra]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     print(f"[{name}] {m.algorithm} {' '.join(m.flags)} μ = {key.mu} x {key.stages} stages, {mode}", flush=True)

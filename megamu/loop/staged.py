@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megamu import parallel
 from megamu.data.prompts import PromptRecord, stop_token_ids
+from megamu.data.stage_prompts import HELD_OUT
 from megamu.engines import Engine, EngineConfig, build_engine
 from megamu.engines.sglang import memory
 from megamu.loop.heldout import EvalConfig, evaluate_sets
@@ -49,13 +50,14 @@ class StageEngine:
     """Rank 0's engine through the stages (other ranks keep only what every rank must agree on: ``warm``)."""
 
     def __init__(self, mode: str, engine: EngineConfig, rollout: RolloutConfig, run_dir: RunDir, tokenizer,
-                 metrics: MetricsLogger, held_out: list[PromptRecord], eval_sets: dict[str, list[PromptRecord]],
-                 evaluation: EvalConfig):
+                 metrics: MetricsLogger, held_out: list[PromptRecord],
+                 eval_sets: dict[str, list[PromptRecord]] | None = None, evaluation: EvalConfig | None = None):
         if mode not in STAGED_MODES:
             raise ValueError(f"StageEngine runs the {STAGED_MODES} modes, not {mode!r}")
         self.mode, self.engine_cfg, self.cfg, self.run_dir = mode, engine, rollout, run_dir
         self.tokenizer, self.metrics, self.held_out = tokenizer, metrics, held_out
-        self.eval_sets, self.evaluation = eval_sets, evaluation
+        self.eval_sets = {HELD_OUT: held_out} if eval_sets is None and held_out else (eval_sets or {})
+        self.evaluation = evaluation or EvalConfig()
         self.engine: Engine | None = None  # rank 0 only
         self.node = None  # SGLang on several ranks (``spread``): this node's servers, on its local rank 0 (nodes.py)
         self.scorer = None  # rank 0 only, created with the first engine
@@ -294,6 +296,7 @@ def final_evaluation(run, engine: StageEngine) -> None:
     final = run.export_final()
     run.policy.offload()
     engine.evaluate(run.plan.num_stages, run.state.update, "final", final)
+    run.policy.onload()  # the spilled optimiser state comes back (and its spill files go) before the run's end
 
 
 def publish(policy, engine: StageEngine, stage: int, export_dir: Path) -> None:

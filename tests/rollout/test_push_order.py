@@ -29,6 +29,9 @@ class FakePolicy:
         self.events.append("gather")
         return Weights(version=1, hf_dir=hf_dir, tensors={"w": object()} if tensors else None)
 
+    def onload(self):
+        self.events.append("trainer onload")
+
     def offload(self):
         self.events.append("trainer offload + empty_cache")
 
@@ -52,7 +55,7 @@ class FakeStageEngine(StageEngine):
     def wake(self):
         self._resume(*memory.ALL)
 
-    def evaluate(self, stage, label, weights=None):
+    def evaluate(self, stage, update, label, weights=None):
         self.events.append(f"evaluate {label}")
 
 
@@ -81,6 +84,7 @@ def test_first_stage_starts_its_engine_after_the_trainer_offloads(events):
 class FakeRun:
     policy: FakePolicy
     plan: object
+    state: object = None
 
     def export_final(self):
         return self.policy.weights(hf_dir=Path("/final"))
@@ -91,5 +95,9 @@ def test_final_evaluation_runs_after_the_trainer_offloads(events):
     class Plan:
         num_stages: int = 2
 
-    final_evaluation(FakeRun(FakePolicy(events), Plan()), FakeStageEngine(events, warm=True, tensors=False))
-    assert events == ["gather", "trainer offload + empty_cache", "evaluate final"]
+    @dataclass
+    class State:
+        update: int = 8
+
+    final_evaluation(FakeRun(FakePolicy(events), Plan(), State()), FakeStageEngine(events, warm=True, tensors=False))
+    assert events == ["gather", "trainer offload + empty_cache", "evaluate final", "trainer onload"]

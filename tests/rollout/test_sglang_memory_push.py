@@ -132,7 +132,8 @@ import sys; sys.path.insert(0, {str(REPO)!r})
 import torch
 from megamu.engines.sglang.weight_sync import broadcast, open_weight_group
 pg = open_weight_group('127.0.0.1', {port}, 2, 'g', 'gloo', 30, rank=1)
-t = torch.zeros(3); broadcast(pg, t); print(t.tolist())
+t = torch.zeros(3); broadcast(pg, t); print(t.tolist(), flush=True)
+import os; os._exit(0)  # a live gloo group's threads abort a normal interpreter exit now and then (SIGABRT, -6)
 """], stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")})
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")

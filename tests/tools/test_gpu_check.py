@@ -58,15 +58,20 @@ def test_stage_flags_parse(tmp_path):
         assert cfg.policy.transformer_impl == ("local" if device.is_cuda else None)
 
 
-def test_dry_run_checks_pass_on_cpu(tmp_path):
+def dry_run(tmp_path, *checks: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """gpu_check.py --dry-run --only CHECKS on this CPU: its output and its report's rows (it must exit 0)."""
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", "train",
-                           "offload", "checkpoint", "--out", str(out)], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", *checks,
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert [r["check"] for r in report["rows"]] == ["train", "offload", "checkpoint"]
-    assert all(r["ok"] for r in report["rows"])
+    return proc, json.loads(out.read_text())["rows"]
+
+
+def test_dry_run_checks_pass_on_cpu(tmp_path):
+    proc, rows = dry_run(tmp_path, "train", "offload", "checkpoint")
+    assert [r["check"] for r in rows] == ["train", "offload", "checkpoint"]
+    assert all(r["ok"] for r in rows)
     assert re.search(r"^offload\s+PASS", proc.stdout, flags=re.M)
 
 
@@ -85,11 +90,6 @@ def test_plan_rows_refuse_an_under_estimate():
 
 
 def test_path_checks_run_on_cpu(tmp_path):
-    out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", "plan",
-                           "buckets", "ep-agree", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    _, rows = dry_run(tmp_path, "plan", "buckets", "ep-agree")
     assert [r["check"] for r in rows] == ["plan mb2", "plan mb2-rc", "plan mb4", "plan mb4-rc", "buckets", "ep-agree"]
     assert all(r["ok"] for r in rows)

@@ -1,5 +1,5 @@
 """The staleness lab at the paper's schedule (issue 34): 4 stages x μ = 1024, sampled pass@1, the lab model of
-megamu/lab (6-digit column addition), every method at the same rollout samples.
+bench/lab (6-digit column addition), every method at the same rollout samples.
 
 Runs ``pretrain_mu_grpo.py`` (the real trainer, local engine, the math reward on the last \\boxed{}) once per run key,
 exports the policy every --eval-every updates and scores every export on the held-out problems: greedy, and k samples
@@ -41,8 +41,8 @@ import fidelity_plan as plan  # noqa: E402
 from fidelity_report import write_report  # noqa: E402
 from fidelity_summary import load_runs, summarize, summary_path, write_summary  # noqa: E402
 
-from megamu.lab.model import CACHE, LabSpec, lab_model_dir  # noqa: E402
-from megamu.lab.task import write_split  # noqa: E402
+from bench.lab.model import CACHE, LabSpec, lab_model_dir  # noqa: E402
+from bench.lab.task import write_split  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ def train(a: argparse.Namespace, key: RunKey) -> dict:
 
 def evaluate(a: argparse.Namespace, hf_dir: Path, update: int) -> dict:
     """Greedy and sampled (T = 1, k per problem, a fixed seed for every export) accuracy on the held-out rows."""
-    from megamu.lab.evaluate import accuracy, load, sampled_pass_at_1
-    from megamu.lab.task import read_rows
+    from bench.lab.evaluate import accuracy, load, sampled_pass_at_1
+    from bench.lab.task import read_rows
 
     rows = read_rows(a.held_out_file)
     model, tok = load(hf_dir)

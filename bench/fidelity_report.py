@@ -164,14 +164,14 @@ def write_report(a, runs: list) -> None:
         "While the registered lr rule has found no lr, `--plan` starts nothing: add `--lr X` (see the lr rule below). "
         "`--report-only` regenerates this file.", "",
         "## Set-up", "",
-        f"- **Lab model** (`megamu/lab/model.py`, spec `{a.lab['spec']}`): Llama-shaped, {spec['num_hidden_layers']} "
+        f"- **Lab model** (`bench/lab/model.py`, spec `{a.lab['spec']}`): Llama-shaped, {spec['num_hidden_layers']} "
         f"layers, width {spec['hidden_size']}, MLP {spec['intermediate_size']}, {spec['num_attention_heads']} heads /"
         f" {spec['num_key_value_heads']} KV heads, char tokenizer; trained in {spec['dtype']} from random weights for "
         f"{b['steps']} steps ({b['seconds']:.0f} s, one thread) until the sampled accuracy on {spec['probe_problems']}"
         f" probe problems reached {b['sampled_accuracy']:.3f} (target {spec['target_accuracy']}; greedy "
         f"{b['greedy_accuracy']:.3f}); saved in float32, weights sha256 `{a.lab['weights_sha256'][:16]}…` (a build "
         "that differs is refused: `PINNED`).",
-        f"- **Task** (`megamu/lab/task.py`): {a.lab['digits']}-digit additions, column by column with carries, then "
+        f"- **Task** (`bench/lab/task.py`): {a.lab['digits']}-digit additions, column by column with carries, then "
         f"`\\boxed{{sum}}` (up to {a.spec.max_new_tokens - 8} reply tokens); replies capped at {a.max_response_len}.",
         f"- **Schedule**: {a.updates} updates of {a.prompts_per_update} prompts x {a.n_samples_per_prompt} samples "
         f"for every run; staged methods μ = {a.mu[0]} ({a.updates // a.mu[0]} stages), single stage μ = {a.updates};"

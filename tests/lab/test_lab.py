@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from megamu.lab import model as lab_model
-from megamu.lab.evaluate import _decode, _prompt_ids, accuracy, load
-from megamu.lab.task import boxed, correct, problems, read_rows, solution, write_split
+from bench.lab import model as lab_model
+from bench.lab.evaluate import _decode, _prompt_ids, accuracy, load
+from bench.lab.task import boxed, correct, problems, read_rows, solution, write_split
 from megamu.reward.math import math_score
 from megamu.tiny import save_tiny_model
 

@@ -8,14 +8,11 @@ vanish when the weights are rounded to fp32. That is likely, not certain, so the
 float32 weights (``weights_sha256``) and ``PINNED`` holds the checksum of the default spec's reference build: a
 build or cache that differs is refused, and every fidelity run key carries the checksum. The result is cached under
 ``$MEGAMU_CACHE/lab-<hash of the settings>``, like the demo model, with ``lab_build.json`` recording the steps
-taken, the accuracies reached and the checksum.
-
-    python -m megamu.lab.model            # build (or find) the default lab model and print its folder
+taken, the accuracies reached and the checksum. bench/fidelity.py builds it on first use.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -27,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from megamu.lab.evaluate import _prompt_ids, accuracy
-from megamu.lab.task import max_reply_chars, problems, prompt_text, solution
+from bench.lab.evaluate import _prompt_ids, accuracy
+from bench.lab.task import max_reply_chars, problems, prompt_text, solution
 from megamu.tiny import build_char_tokenizer
 
 CACHE = Path(os.environ.get("MEGAMU_CACHE", Path.home() / ".cache" / "megamu"))
@@ -201,16 +198,3 @@ def lab_model_dir(spec: LabSpec = LabSpec(), cache: Path = CACHE, log=print,
         shutil.rmtree(tmp, ignore_errors=True)
     check_pinned(spec, out, pinned)
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cache", type=Path, default=CACHE)
-    a = p.parse_args(argv)
-    d = lab_model_dir(cache=a.cache)
-    print(d)
-    print((d / "lab_build.json").read_text())
-
-
-if __name__ == "__main__":
-    main()

@@ -1,21 +1,20 @@
 """Accuracy of an HF folder on lab-task rows: greedy (held-out accuracy) or sampled at T = 1 (the build's stop rule).
 
-Used by the lab model's build and by bench/fidelity.py on a run's HF exports. The trainer is not involved: this reads
-only the exported folder, so it measures what a run wrote, whatever the trainer's internals look like.
-
-    python -m megamu.lab.evaluate --hf-dir RUN/hf/iter_0000128 --data held_out.jsonl
+Used by the lab model's build and by bench/fidelity.py on a run's HF exports (bench/fidelity.py is the lab's one
+command line). The trainer is not involved: this reads only the exported folder, so it measures what a run wrote,
+whatever the trainer's internals look like. It decodes with transformers rather than megamu's local engine on purpose:
+the committed summaries' sampled pass@1 was drawn from this decoder's random stream (one generator, batches by prompt
+length), which the engine's sampler does not reproduce.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from megamu.lab.task import correct, read_rows
+from bench.lab.task import correct
 
 
 @dataclass
@@ -94,26 +93,3 @@ def load(hf_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(hf_dir)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-dir", type=Path, nargs="+", required=True)
-    p.add_argument("--data", type=Path, required=True, help="rows written by megamu.lab.task.write_split")
-    p.add_argument("--sample", action="store_true", help="one sample at T = 1 per row instead of greedy")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", type=Path, default=None, help="write {hf_dir: result} as JSON here")
-    a = p.parse_args(argv)
-    rows = read_rows(a.data)
-    results = {}
-    for d in a.hf_dir:
-        model, tok = load(d)
-        results[str(d)] = accuracy(model, tok, rows, greedy=not a.sample, max_new_tokens=a.max_new_tokens).to_json()
-        print(json.dumps({str(d): results[str(d)]}), flush=True)
-    if a.out:
-        a.out.write_text(json.dumps(results, indent=1))
-    return results
-
-
-if __name__ == "__main__":
-    main()

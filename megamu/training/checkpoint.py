@@ -13,7 +13,8 @@ the same whichever layer spec wrote them) and the Adam moments Megatron's optimi
 ``optimizer.state.exp_avg.<param key>`` (+ ``exp_avg_sq``, and ``main_param`` for a bf16 model's fp32 master
 weights). ``dist_checkpointing.load`` reshards, so a checkpoint loads at any TP or DP size; a checkpoint with no
 ``megamu_state.json`` (written by Megatron-LM or plain megatron-core code) gives its weights (and moments when it has
-them) and no run state. Folders in megamu's previous layout (``megamu.training.checkpoint_legacy``) still load.
+them) and no run state. Folders in megamu's previous layout (safetensors, ``state.json``; retired, see CHANGELOG.md)
+are refused with what to do.
 
 CPU: megatron-core 0.16.1's stock save refuses a CPU-only torch: ``FileSystemWriterAsync.preload_tensors``
 (strategies/filesystem_async.py:230) calls ``torch.cuda.synchronize()``, and ``save_state_dict_async_finalize``
@@ -51,6 +52,7 @@ from megamu.training.checkpoint_dirs import (
 from megamu.training.megatron_schema import CHECKPOINT_VERSION, megatron_entries
 
 RUN_STATE = "megamu_state.json"
+PREVIOUS_LAYOUT_STATE = "state.json"  # the run state of megamu's previous layout: recognised only to refuse it
 FORMAT = "megamu-run-state-2"
 MOMENTS = ("exp_avg", "exp_avg_sq", "main_param")  # main_param: fp32 master weights of a bf16 model (GPU)
 OPT_PREFIX = "optimizer.state"  # megatron-core's prefix for per-parameter state (optim_state_to_sharding_state)
@@ -194,16 +196,12 @@ def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> 
         return None
     iteration, folder = found
     if not (folder / "metadata.json").exists():
-        from megamu.training.checkpoint_legacy import LEGACY_STATE, load_legacy_checkpoint
-
-        if (folder / LEGACY_STATE).exists():
-            extra = load_legacy_checkpoint(folder, model, arch, optimizer)
-            if parallel.is_main_rank():
-                print(f"[megamu] {folder}: megamu's previous checkpoint layout, loaded and converted in memory; "
-                      "checkpoints from now on are written in megatron-core's torch_dist format", flush=True)
-            return extra
-        raise CheckpointError(f"{folder}: neither a torch_dist checkpoint (no metadata.json) nor megamu's previous "
-                              "layout")
+        if (folder / PREVIOUS_LAYOUT_STATE).exists():
+            raise CheckpointError(
+                f"{folder}: a checkpoint in megamu's previous layout (safetensors with {PREVIOUS_LAYOUT_STATE}), which "
+                "megamu no longer reads (CHANGELOG.md). Resume it once with megamu at commit 7cf1936 or earlier: its "
+                "next checkpoint, in the same --save folder, is written in torch_dist, which this version loads.")
+        raise CheckpointError(f"{folder}: not a torch_dist checkpoint (no metadata.json)")
     state = _read_run_state(folder)
     if state is not None and state.get("arch") and ModelArch.from_dict(state["arch"]) != arch:
         raise CheckpointError(f"{folder / RUN_STATE}: the checkpoint's architecture {state['arch']} differs from "

@@ -1,6 +1,5 @@
-"""What megamu's checkpoint formats share (the torch_dist one in checkpoint.py, the previous layout in
-checkpoint_legacy.py): the iter_N folders and their tracker, retention, every rank's RNG state, and errors gathered
-from every rank so that all of them raise together."""
+"""The checkpoint folders around checkpoint.py's torch_dist format: the iter_N folders and their tracker, retention,
+every rank's RNG state, and errors gathered from every rank so that all of them raise together."""
 
 from __future__ import annotations
 

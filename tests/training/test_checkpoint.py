@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -113,18 +114,6 @@ def test_no_checkpoint_and_corrupt_checkpoints(run, tmp_path):
         load_checkpoint(broken, model, run["arch"], opt)
 
 
-def test_writer_assignment_is_balanced_and_complete():
-    from megamu.training.checkpoint_legacy import writer_of
-
-    sizes = [("a", 100), ("b", 60), ("c", 50), ("d", 10), ("e", 1)]
-    owner = writer_of(sizes, 2)
-    assert set(owner) == {n for n, _ in sizes}
-    load = [sum(s for n, s in sizes if owner[n] == r) for r in range(2)]
-    # largest first to the lighter rank: a->0 (100), b->1 (60), c->1 (110), d->0 (110), e->0 on the tie (111)
-    assert load == [111, 110]
-    assert writer_of(sizes, 1) == dict.fromkeys(owner, 0)
-
-
 def test_retention_keeps_newest_and_the_tracked_one(run, tmp_path):
     from megamu.training.checkpoint_dirs import TRACKER, prune_checkpoints
 
@@ -209,23 +198,21 @@ def test_iter_exports_fall_under_retention(tmp_path):
     assert run.prune_iter_exports(keep=0) == []  # 0 keeps all
 
 
-def test_previous_layout_loads_once_with_a_message(run, tmp_path, capsys):
-    from megamu.training.checkpoint_legacy import save_legacy_checkpoint
-
-    model, opt = fresh(run["arch"])
-    assert load_checkpoint(run["root"] / "save", model, run["arch"], opt)["iteration"] == 1
+def test_a_folder_in_the_previous_layout_is_refused_naming_it_and_what_to_do(run, tmp_path):
+    """megamu's previous layout (safetensors + state.json, retired) is no longer read: the error names the folder and
+    the way out, instead of loading nothing or failing inside torch_dist."""
     old = tmp_path / "old"
-    save_legacy_checkpoint(old, 1, model, run["arch"], opt, extra={"stage": 2}, hf_source_dir=run["root"] / "hf")
-    assert (old / "iter_0000001" / "state.json").exists()
-    model2, opt2 = fresh(run["arch"])
-    assert load_checkpoint(old, model2, run["arch"], opt2) == {"stage": 2, "iteration": 1}
-    assert "previous checkpoint layout" in capsys.readouterr().out
-    for (n, a), (_, b) in zip(model.named_parameters(), model2.named_parameters()):
-        assert torch.equal(a, b), n
-        assert all(torch.equal(opt.param_state(a)[k], opt2.param_state(b)[k]) for k in ("exp_avg", "exp_avg_sq")), n
-    # the next save is in the new format, beside the old folder
-    save_checkpoint(old, 2, model2, run["arch"], opt2, extra={"stage": 2})
-    assert (old / "iter_0000002" / "metadata.json").exists()
+    folder = old / "iter_0000001"
+    (folder / "model").mkdir(parents=True)
+    (folder / "state.json").write_text('{"format": "megamu-checkpoint-1", "iteration": 1}')
+    (old / "latest_checkpointed_iteration.txt").write_text("1")
+    model, opt = fresh(run["arch"])
+    named = re.escape(str(folder))
+    with pytest.raises(CheckpointError, match=named + r": a checkpoint in megamu's previous layout.*7cf1936"):
+        load_checkpoint(old, model, run["arch"], opt)
+    (folder / "state.json").unlink()
+    with pytest.raises(CheckpointError, match=named + r": not a torch_dist checkpoint"):
+        load_checkpoint(old, model, run["arch"], opt)
 
 
 def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, tmp_path):

@@ -1,4 +1,5 @@
-"""Converter throughput and memory, each against a plain safetensors save measured side by side in the same run.
+"""HF export throughput and memory (export_hf, every stage's engine weights) against a plain safetensors save measured
+side by side in the same run. (The offline converter is torch_dist only, through mbridge: not measured here.)
 
   python -m bench.convert [--hf-dir DIR] [--shard-mb 256]     (default model: SmolLM2-135M-Instruct)
 
@@ -40,7 +41,7 @@ def case(name: str, hf_dir: Path, work: Path, shard_bytes: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from megamu.convert import export_hf, full_state_dict, hf_to_mcore, load_hf_into_model, mcore_to_hf
+    from megamu.convert import export_hf, full_state_dict, load_hf_into_model
     from megamu.convert.io import _fsync
     from megamu.convert.mapping import mcore_to_hf_tensors
     from megamu.model import ModelArch, build_model
@@ -48,37 +49,28 @@ def case(name: str, hf_dir: Path, work: Path, shard_bytes: int) -> dict:
 
     torch.set_num_threads(1)
     ModelArch.from_hf(hf_dir)  # transformers' config machinery imports in ~2 s: keep that one-off out of the timing
-    if name in ("export_hf", "plain_save"):
-        init_distributed(1)
-        arch = ModelArch.from_hf(hf_dir)
-        model = build_model(arch, perform_initialization=False)
-        load_hf_into_model(model, arch, hf_dir)
-        if name == "plain_save":  # baseline: the same HF state dict, already in memory, one save_file call
-            state = {n: t.clone() for n, t in mcore_to_hf_tensors(arch, full_state_dict(model, arch))}
+    init_distributed(1)
+    arch = ModelArch.from_hf(hf_dir)
+    model = build_model(arch, perform_initialization=False)
+    load_hf_into_model(model, arch, hf_dir)
+    if name == "plain_save":  # baseline: the same HF state dict, already in memory, one save_file call
+        state = {n: t.clone() for n, t in mcore_to_hf_tensors(arch, full_state_dict(model, arch))}
     before = _reset_peak()
     t0 = time.perf_counter()
     if name == "export_hf":
         out = export_hf(model, arch, work / name, hf_source_dir=hf_dir, dtype="fp32", max_shard_bytes=shard_bytes)
-    elif name == "plain_save":
+    else:
         out = work / name
         out.mkdir()
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         _fsync(out / "model.safetensors")  # our writers fsync too: both sides are disk-bound, not page-cache-bound
-    elif name == "hf_to_mcore":
-        out = hf_to_mcore(hf_dir, work / name, max_shard_bytes=shard_bytes)
-    else:  # mcore_to_hf, from the folder hf_to_mcore wrote
-        out = mcore_to_hf(work / "hf_to_mcore", work / name, dtype="fp32", max_shard_bytes=shard_bytes)
     seconds = time.perf_counter() - t0
     peak = _status_mb("VmHWM")
     return {"case": name, "seconds": seconds, "mb": _dir_mb(out), "extra_peak_mb": peak - before, "peak_mb": peak}
 
 
-# Writeback of earlier writes slows later ones, so vary which case goes first; mcore_to_hf reads hf_to_mcore's folder.
-SCHEDULES = [
-    ["plain_save", "export_hf", "hf_to_mcore", "mcore_to_hf"],
-    ["export_hf", "plain_save", "hf_to_mcore", "mcore_to_hf"],
-    ["hf_to_mcore", "mcore_to_hf", "export_hf", "plain_save"],
-]
+# Writeback of earlier writes slows later ones, so vary which case goes first.
+SCHEDULES = [["plain_save", "export_hf"], ["export_hf", "plain_save"]]
 
 
 def main() -> None:

@@ -20,9 +20,8 @@ and more in 0.15.1). What megamu adds, and why:
   own model provider builds the model, so the bridge is told the padded size here.
 - dtype. mbridge casts HF tensors to its ``dtype`` (bfloat16 unless told): the model's own dtype is passed.
 
-megamu's own per-family mapping (megamu.convert.mapping) stays for the model-free paths: the offline mcore folders
-of ``tools/convert_checkpoint.py hf-to-mcore`` and the old checkpoint layout, which stream tensor by tensor without
-building a model (mbridge converts only parameters of a built model).
+megamu's own per-family mapping (megamu.convert.mapping) stays for the trainer's hot paths: loading the initial
+policy from an HF folder and the HF export of every stage, tensor by tensor (the tests check the two agree bitwise).
 """
 
 from __future__ import annotations
@@ -124,21 +123,21 @@ def torch_dist_to_hf(load_dir: str | Path, hf_source_dir: str | Path, out_dir: s
     """The latest torch_dist checkpoint in ``load_dir`` (megamu's, Megatron-LM's) -> HF folder, through mbridge.
     ``hf_source_dir`` gives the config and tokenizer (the model the checkpoint was trained from)."""
     from megamu import parallel
-    from megamu.convert.checkpoint import _meta_dir, _write_hf
+    from megamu.convert.checkpoint import _write_hf
     from megamu.convert.io import DEFAULT_SHARD_BYTES, atomic_dir
     from megamu.model import build_model
     from megamu.training.checkpoint import load_model_checkpoint
 
-    arch = ModelArch.from_hf(_meta_dir(hf_source_dir))
+    arch = ModelArch.from_hf(Path(hf_source_dir))
     # initialised, although every weight is loaded: megatron-core 0.16.1 with perform_initialization=False on CPU
     # leaves the vocab-parallel weights without their ``tensor_model_parallel`` attribute, by which mbridge decides
     # what to gather over TP (it then exports one shard of the embedding)
     model = build_model(arch)
     load_model_checkpoint(load_dir, model)
-    tensors = hf_tensors_via_mbridge(model, arch, _meta_dir(hf_source_dir))
+    tensors = hf_tensors_via_mbridge(model, arch, Path(hf_source_dir))
     if parallel.is_main_rank():
         with atomic_dir(out_dir) as tmp:
-            _write_hf(tensors, tmp, _meta_dir(hf_source_dir), dtype, max_shard_bytes or DEFAULT_SHARD_BYTES)
+            _write_hf(tensors, tmp, Path(hf_source_dir), dtype, max_shard_bytes or DEFAULT_SHARD_BYTES)
     for _ in tensors:  # other ranks take part in every gather
         pass
     parallel.barrier()

@@ -1,7 +1,5 @@
-"""HF and mcore folders in and out: offline conversion, loading into a live model, in-process export.
-
-mcore folder: model-*.safetensors + index (canonical tensors, TP-independent), megamu_arch.json (ModelArch) and hf_meta/
-(the source config, tokenizer and generation files), so an HF export can be made from the folder alone.
+"""HF folders in and out of a live model: loading the initial policy, and the in-process HF export (every run's
+engine weights). Offline conversion is torch_dist only (megamu.convert.bridge, tools/convert_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -13,55 +11,12 @@ from pathlib import Path
 import torch
 
 from megamu.convert.io import DEFAULT_SHARD_BYTES, SafetensorsDir, atomic_dir, copy_meta_files, write_sharded
-from megamu.convert.mapping import check_hf_names, fuse, hf_to_mcore_tensors, mcore_to_hf_tensors, plan
+from megamu.convert.mapping import check_hf_names, fuse, mcore_to_hf_tensors, plan
 from megamu.convert.tp import full_state_dict, load_full_state_dict
 from megamu.model.config import ModelArch
 
-ARCH_FILE = "megamu_arch.json"
-HF_META = "hf_meta"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _meta_dir(source: str | Path) -> Path:
-    """An HF folder, or an mcore folder's hf_meta/."""
-    source = Path(source)
-    return source / HF_META if (source / HF_META).is_dir() else source
-
-
-def read_arch(mcore_dir: str | Path) -> ModelArch:
-    path = Path(mcore_dir) / ARCH_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: {mcore_dir} is not a megamu mcore folder")
-    return ModelArch.from_dict(json.loads(path.read_text()))
-
-
-def save_mcore(
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    out_dir: str | Path,
-    arch: ModelArch,
-    hf_source_dir: str | Path,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    metadata: dict | None = None,
-) -> Path:
-    """Write canonical tensors as an mcore folder, atomically."""
-    with atomic_dir(out_dir) as tmp:
-        write_sharded(tensors, tmp, max_shard_bytes, {"format": "megamu-mcore", **(metadata or {})})
-        write_mcore_meta(tmp, arch, hf_source_dir)
-    return Path(out_dir)
-
-
-def write_mcore_meta(folder: Path, arch: ModelArch, hf_source_dir: str | Path | None) -> None:
-    """The non-tensor part of an mcore folder: megamu_arch.json and (given the run's HF source) hf_meta/."""
-    (folder / ARCH_FILE).write_text(json.dumps(arch.to_dict(), indent=2) + "\n")
-    if hf_source_dir is not None:
-        (folder / HF_META).mkdir()
-        copy_meta_files(_meta_dir(hf_source_dir), folder / HF_META)
-
-
-def load_mcore_into_model(model, arch: ModelArch, mcore_dir: str | Path) -> None:
-    reader = SafetensorsDir(mcore_dir)
-    load_full_state_dict(model, arch, reader.get, names=reader.keys())
 
 
 def load_hf_into_model(model, arch: ModelArch, hf_dir: str | Path) -> None:
@@ -77,18 +32,6 @@ def load_hf_into_model(model, arch: ModelArch, hf_dir: str | Path) -> None:
     load_full_state_dict(model, arch, get, names=entries)
 
 
-def hf_to_mcore(
-    hf_dir: str | Path, out_dir: str | Path, tp: int = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None
-) -> Path:
-    """Offline HF -> mcore, tensor by tensor, no model built. ``tp`` is only checked and recorded."""
-    arch = ModelArch.from_hf(hf_dir)
-    arch.check_tp(tp)
-    reader = SafetensorsDir(hf_dir)
-    tensors = hf_to_mcore_tensors(arch, reader.get, reader.keys())
-    return save_mcore(progress(tensors) if progress else tensors, out_dir, arch, hf_dir, max_shard_bytes,
-                      {"tensor_model_parallel_size": tp})
-
-
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
@@ -100,7 +43,7 @@ def _write_hf(
     _check_dtype(dtype)
     cast = ((n, t.to(DTYPES[dtype])) for n, t in hf_tensors)
     write_sharded(cast, folder, max_shard_bytes)
-    copy_meta_files(meta_dir, folder, skip=("config.json", ARCH_FILE))
+    copy_meta_files(meta_dir, folder, skip=("config.json",))
     config = json.loads((meta_dir / "config.json").read_text())
     # transformers 5 and SGLang read "dtype" first (SGLang 0.5.23 maps a float32 config under --dtype auto to
     # float16), older readers "torch_dtype": both say what the tensors are
@@ -108,20 +51,6 @@ def _write_hf(
     if "torch_dtype" in config:
         config["torch_dtype"] = _CONFIG_DTYPE[dtype]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def mcore_to_hf(
-    mcore_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    progress=None,
-) -> Path:
-    """Offline mcore -> HF folder (what transformers and SGLang load), tensor by tensor, atomically."""
-    arch = read_arch(mcore_dir)
-    reader = SafetensorsDir(mcore_dir)
-    canonical = ((n, reader.get(n)) for n in reader.keys())
-    hf = mcore_to_hf_tensors(arch, progress(canonical) if progress else canonical)
-    with atomic_dir(out_dir) as tmp:
-        _write_hf(hf, tmp, _meta_dir(mcore_dir), dtype, max_shard_bytes)
-    return Path(out_dir)
 
 
 def training_dtype(model) -> str:
@@ -155,7 +84,7 @@ def export_hf(
         if is_main_rank():
             try:
                 with atomic_dir(out_dir) as tmp:
-                    _write_hf(hf, tmp, _meta_dir(hf_source_dir), dtype, max_shard_bytes)
+                    _write_hf(hf, tmp, Path(hf_source_dir), dtype, max_shard_bytes)
             except OSError as e:
                 error = e
         for _ in hf:  # take part in every remaining gather

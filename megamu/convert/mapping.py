@@ -6,7 +6,7 @@ megatron's grouped layout (per KV group: its query heads, then its key head, the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -100,15 +100,6 @@ def check_hf_names(arch: ModelArch, hf_names: Iterable[str]) -> None:
     if missing or unexpected:
         raise KeyError(f"{arch.family} checkpoint does not match the architecture: missing HF tensors {missing}, "
                        f"unexpected HF tensors {unexpected}")
-
-
-def hf_to_mcore_tensors(
-    arch: ModelArch, get_hf: Callable[[str], torch.Tensor], hf_names: Iterable[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Canonical tensors one at a time, after checking the HF name set."""
-    check_hf_names(arch, hf_names)
-    for e in plan(arch):
-        yield e.mcore, fuse(e, [get_hf(n) for n in e.hf], arch)
 
 
 def mcore_to_hf_tensors(

@@ -1,7 +1,8 @@
 """torchrun worker (2 ranks, TP=2), per family: mbridge loads the HF folder into megamu's TP=2 model bitwise as
 megamu's own mapping does; a torch_dist checkpoint written at TP=1 (hf_to_torch_dist) loads at TP=2 to the same
-weights and gives transformers' logits; torch_dist_to_hf exports it back. Args: triples of
-(hf_dir, torch_dist_dir, export_dir)."""
+weights and gives transformers' logits and log-probs; torch_dist_to_hf exports it back, and so does export_hf (the
+trainer's export) from the live TP=2 model. Args: quadruples of
+(hf_dir, torch_dist_dir, export_dir, live_export_dir)."""
 
 import sys
 from pathlib import Path
@@ -38,13 +39,14 @@ def three_loads_agree(arch, hf_dir, dist_dir):
 def main(args):
     from transformers import AutoModelForCausalLM
 
+    from megamu.convert import export_hf
     from megamu.convert.bridge import torch_dist_to_hf
-    from megamu.model import ModelArch
+    from megamu.model import ModelArch, forward_logprobs
     from megamu.parallel import init_distributed, tp_group
 
     torch.set_num_threads(1)
     init_distributed(2)
-    for hf_dir, dist_dir, export_dir in zip(args[0::3], args[1::3], args[2::3]):
+    for hf_dir, dist_dir, export_dir, live_dir in zip(args[0::4], args[1::4], args[2::4], args[3::4]):
         arch = ModelArch.from_hf(hf_dir)
         from_dist = three_loads_agree(arch, hf_dir, dist_dir)
         ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -55,7 +57,14 @@ def main(args):
         torch.distributed.all_gather(parts, local.contiguous(), group=tp_group())
         err = (torch.cat(parts, dim=-1)[..., : arch.vocab_size] - hf_logits).abs().max().item()
         assert err <= 1e-4, f"{arch.family}: logits differ from transformers by {err}"
-        torch_dist_to_hf(dist_dir, hf_dir, export_dir, dtype="fp32")
+        for t in (1.0, 0.7):
+            with torch.no_grad():
+                logp, _ = forward_logprobs(from_dist, ids, temperature=t)
+            want = torch.log_softmax(hf_logits[:, :-1] / t, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            lerr = (logp - want).abs().max().item()
+            assert lerr <= 1e-4, f"{arch.family}: TP=2 log-probs at T={t} differ by {lerr}"
+        torch_dist_to_hf(dist_dir, hf_dir, export_dir, dtype="fp32", max_shard_bytes=40_000)
+        export_hf(from_dist, arch, live_dir, hf_source_dir=hf_dir, dtype="fp32")
         print(f"OK {arch.family} logits {err:.1e}", flush=True)
 
 

@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (the CPU demo) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make demo` (the CPU demo) and `make test` (the whole suite; `make test-fast` leaves
+# out the tests marked slow: those that launch a trainer process or a torchrun world).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ SGLANG_CPU ?= $(firstword $(wildcard ../shared/sglang-cpu ../../shared/sglang-cp
 SGLANG_VENV ?= $(HOME)/.cache/megamu/sglang-cpu-venv
 SGLANG_STAMP := $(SGLANG_VENV)/.megamu-ready
 
-.PHONY: demo test test-sglang lint install clean gpu-wheels
+.PHONY: demo test test-fast test-sglang lint install clean gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,10 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	# both cores: a test module runs on one worker (its fixtures are made once), the modules spread over two
 	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15 tests
+
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=10 -m "not slow" tests
 
 $(SGLANG_STAMP):
 	@test -n "$(SGLANG_CPU)" || { echo "shared/sglang-cpu not found: set SGLANG_CPU=/path/to/sglang-cpu"; exit 1; }

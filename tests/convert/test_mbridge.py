@@ -5,6 +5,7 @@ torch_dist_to_hf and the trainer's export_hf (see workers/tp2_mbridge.py); tools
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from megamu.convert.bridge import hf_to_torch_dist, supported_families
@@ -27,6 +28,7 @@ def test_mbridge_serves_every_dense_family_megamu_supports():
     assert set(FAMILIES) <= set(supported_families())
 
 
+@pytest.mark.slow
 def test_hf_to_torch_dist_to_tp2_to_hf_is_bitwise(tiny_hf, tmp_path):
     init_distributed(1)
     args = []
@@ -53,6 +55,7 @@ def test_hf_to_torch_dist_to_tp2_to_hf_is_bitwise(tiny_hf, tmp_path):
     assert not (tmp_path / "llama" / "live" / "stale.txt").exists()
 
 
+@pytest.mark.slow
 def test_the_tool_converts_hf_to_torch_dist_and_back(tiny_hf, tmp_path):
     import subprocess
     import sys

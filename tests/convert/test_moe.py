@@ -3,6 +3,7 @@ bitwise at TP=2, through a torch_dist checkpoint written at TP=1 (see workers/tp
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from megamu.convert.bridge import hf_to_torch_dist
@@ -10,6 +11,8 @@ from megamu.convert.io import SafetensorsDir
 from megamu.parallel import init_distributed
 from megamu.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
+
+pytestmark = pytest.mark.slow  # torchrun worlds (TP=2, EP=2)
 
 WORKER = Path(__file__).parent / "workers" / "tp2_moe.py"
 EP_WORKER = Path(__file__).parent / "workers" / "ep2_moe.py"

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megamu.arguments import parse_args
-from tests.e2e.test_pretrain import launch, records
+from tests.e2e.runs import launch, records
 from tests.processes import pid_alive
 
 B_MINI, G, PER_SHARD = 2, 4, 2
@@ -74,13 +74,7 @@ def wait_workers_gone(save: Path, timeout_s: float = 120) -> None:
     assert not any(pid_alive(p) for p in pids), "an engine process outlived its trainer"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from megamu.tiny import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", "llama", seed=3)
-
-
+@pytest.mark.slow
 def test_async_run_bounds_lag_syncs_and_reports_idle(tiny, tmp_path):
     save, iters, lag, sync = tmp_path / "async", 24, 3, 2
     launch(async_flags(tiny, save, iters=iters, lag=lag, sync=sync))
@@ -96,20 +90,29 @@ def test_async_run_bounds_lag_syncs_and_reports_idle(tiny, tmp_path):
     wait_workers_gone(save, timeout_s=10)
 
 
-def test_tiny_lag_drops_stale_and_trainer_kill_resumes(tiny, tmp_path):
+@pytest.mark.slow
+def test_tiny_lag_drops_stale_and_engine_and_trainer_kills_resume(tiny, tmp_path):
     """K = 1 with a deep queue, so groups may wait longer than K updates: whatever the engine's timing, every drop is
     counted and no stale group trained (check_consumption; drops are forced deterministically in
-    tests/rollout/test_async_queue.py). A trainer killed mid-run resumes at its checkpointed cursor without repeating
-    or losing a group."""
+    tests/rollout/test_async_queue.py). The engine process dying mid-run is a clear error, not a hang; a trainer
+    killed mid-run resumes at its checkpointed cursor without repeating or losing a group. (Two tests of a kill and a
+    resume each, before: one chain launches 3 trainers instead of 4.)"""
     save, iters, lag = tmp_path / "tiny-k", 10, 1
     flags = async_flags(tiny, save, iters=iters, lag=lag, sync=1, extra=("--rollout-queue-groups", "8"))
+    t0 = time.monotonic()
+    died = launch(flags, env={"MEGAMU_CRASH_AFTER": "shard:2"}, check=False)  # the engine process exits after shard 2
+    assert died.returncode != 0 and time.monotonic() - t0 < 500  # launch's own timeout would fail a hang anyway
+    assert "engine process exited with code 17" in died.stderr
+    assert "rerun the same command to resume" in died.stderr
     crashed = launch(flags, env={"MEGAMU_CRASH_AFTER": "update:5"}, check=False)
     assert crashed.returncode != 0 and not (save / "hf" / "final").exists()
+    assert "engine process exited" not in crashed.stderr  # the trainer's own kill this time
     launch(flags)
     check_consumption(save, iters, lag)
     wait_workers_gone(save)
 
 
+@pytest.mark.slow
 def test_tp2_ranks_wait_for_the_engine_on_the_cpu_group(tiny, tmp_path):
     """Rank 1 waits while rank 0 waits for the engine process (its start, a slow reward, a reload): that wait is on
     the CPU-side gloo group, so a collective timeout of 3 s does not end a run whose shards take longer than that."""
@@ -120,19 +123,6 @@ def test_tp2_ranks_wait_for_the_engine_on_the_cpu_group(tiny, tmp_path):
     launch(flags, nproc=2)
     check_consumption(save, iters, lag)
     assert max(u["trainer_idle_s"] for u in records(save, "update")) > 3  # the wait did outlast the timeout
-    wait_workers_gone(save)
-
-
-def test_engine_killed_mid_run_is_a_clear_error_then_resumes(tiny, tmp_path):
-    save, iters, lag = tmp_path / "engine-kill", 8, 2
-    flags = async_flags(tiny, save, iters=iters, lag=lag, sync=2)
-    t0 = time.monotonic()
-    died = launch(flags, env={"MEGAMU_CRASH_AFTER": "shard:2"}, check=False)  # the engine process exits after shard 2
-    assert died.returncode != 0 and time.monotonic() - t0 < 500  # launch's own timeout would fail a hang anyway
-    assert "engine process exited with code 17" in died.stderr
-    assert "rerun the same command to resume" in died.stderr
-    launch(flags)
-    check_consumption(save, iters, lag)
     wait_workers_gone(save)
 
 

@@ -7,7 +7,7 @@ import pytest
 from megamu.arguments import parse_args
 from megamu.data.code_task import code_problems
 from megamu.reward import RewardConfig
-from tests.e2e.test_pretrain import launch, records, tiny  # noqa: F401 - tiny is a fixture
+from tests.e2e.runs import launch, records
 
 
 def code_flags(model, save, data, *extra: str) -> list[str]:
@@ -25,7 +25,8 @@ def task(tmp_path):
     return path
 
 
-def test_code_reward_run_completes(tiny, tmp_path, task):  # noqa: F811
+@pytest.mark.slow
+def test_code_reward_run_completes(tiny, tmp_path, task):
     save = tmp_path / "run"
     launch(code_flags(tiny, save, task))
     updates, stages = records(save, "update"), records(save, "stage")
@@ -35,7 +36,7 @@ def test_code_reward_run_completes(tiny, tmp_path, task):  # noqa: F811
     assert (save / "hf" / "final" / "config.json").is_file()
 
 
-def test_reward_flags_make_the_reward_config(tiny, tmp_path, task):  # noqa: F811
+def test_reward_flags_make_the_reward_config(tiny, tmp_path, task):
     cfg = parse_args(code_flags(tiny, tmp_path / "x", task, "--code-reward-mode", "fraction",
                                 "--code-sandbox-url", "http://127.0.0.1:8000/run"))
     assert cfg.prompts.answer_key == "tests"
@@ -52,6 +53,6 @@ def test_reward_flags_make_the_reward_config(tiny, tmp_path, task):  # noqa: F81
     (["--code-sandbox-url", "ftp://x"], "--code-sandbox-url"),
     (["--reward", "math", "--code-reward-mode", "fraction"], "--code-reward-mode"),
 ])
-def test_bad_reward_flags_name_the_flag(tiny, tmp_path, task, bad, flag):  # noqa: F811
+def test_bad_reward_flags_name_the_flag(tiny, tmp_path, task, bad, flag):
     with pytest.raises(SystemExit, match=flag):
         parse_args(code_flags(tiny, tmp_path / "bad", task, *bad))

@@ -3,13 +3,16 @@ back while the trainer trains and take it again around each push, in the order s
 Checked on the calls a schema server records, which also refuses a push while its weights are released and a
 generation while anything is."""
 
-from tests.e2e.test_pretrain import MU, STAGES, flags, launch, records, tiny  # noqa: F401  (fixture)
+import pytest
+
+from tests.e2e.runs import MU, STAGES, flags, launch, records
 from tests.rollout.schema_server import SchemaServer
 
 RELEASE = "/release_memory_occupation:kv_cache,weights,cuda_graph"
 
 
-def test_colocated_servers_release_before_training_and_resume_before_generating(tiny, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_colocated_servers_release_before_training_and_resume_before_generating(tiny, tmp_path):
     from megamu.engines.local import LocalEngine
 
     server = SchemaServer(LocalEngine(str(tiny)), api_key="secret")

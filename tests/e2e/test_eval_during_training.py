@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_pretrain import flags, launch, records, tiny  # noqa: F401  (tiny: the module's model fixture)
+from tests.e2e.runs import flags, launch, records
 from tests.wandb_records import history_rows
 
 SETS = ["held-out", "sums"]
@@ -31,7 +31,8 @@ def check_evaluations(save):
     return evals
 
 
-def test_evaluations_at_stage_starts_on_named_sets_with_wandb(tiny, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_evaluations_at_stage_starts_on_named_sets_with_wandb(tiny, tmp_path):
     save = tmp_path / "run"
     launch(flags(tiny, save, *eval_flags(tmp_path)))
     evals = check_evaluations(save)
@@ -49,10 +50,13 @@ def test_evaluations_at_stage_starts_on_named_sets_with_wandb(tiny, tmp_path):  
     assert tables == ["0", "1"]  # one table of generations per stage
 
 
-@pytest.mark.parametrize("crash", ["update:6", "stage:0"], ids=["mid-stage-1", "between-stages"])
-def test_resumed_run_keeps_each_evaluation_once(tiny, tmp_path, crash):  # noqa: F811
+@pytest.mark.slow
+def test_resumed_run_keeps_each_evaluation_once(tiny, tmp_path):
+    """Killed between stages, resumed, killed mid-stage-1, resumed to the end (two tests of one kill each, before:
+    one chain launches 3 trainers instead of 4 and resumes from both points)."""
     save = tmp_path / "run"
-    crashed = launch(flags(tiny, save, *eval_flags(tmp_path)), env={"MEGAMU_CRASH_AFTER": crash}, check=False)
-    assert crashed.returncode != 0, "the crash hook did not fire"
+    for crash in ("stage:0", "update:6"):
+        crashed = launch(flags(tiny, save, *eval_flags(tmp_path)), env={"MEGAMU_CRASH_AFTER": crash}, check=False)
+        assert crashed.returncode != 0, f"{crash}: the crash hook did not fire"
     launch(flags(tiny, save, *eval_flags(tmp_path)))
     check_evaluations(save)

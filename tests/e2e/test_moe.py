@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from megamu.tiny import save_tiny_model
-from tests.e2e.test_pretrain import MU, STAGES, final_weights, flags, launch, records
+from tests.e2e.runs import MU, STAGES, final_weights, flags, launch, records
 
 
+@pytest.mark.slow
 def test_two_stage_mu_grpo_on_qwen3_moe(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -31,6 +32,7 @@ def test_two_stage_mu_grpo_on_qwen3_moe(tmp_path):
         assert not torch.equal(final[name], _hf_tensor(model, name)), name
 
 
+@pytest.mark.slow
 def test_two_data_parallel_ranks_on_qwen3_moe(tmp_path):
     """DP = 2 at EP = 1: each rank holds every expert; gradients, exports and checkpoints agree across ranks."""
     model = save_tiny_model(tmp_path / "tiny-qwen3-moe", "qwen3_moe", seed=3)
@@ -42,6 +44,7 @@ def test_two_data_parallel_ranks_on_qwen3_moe(tmp_path):
         assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_moe_training_is_refused_with_the_reason(tmp_path):
     model = save_tiny_model(tmp_path / "tiny-qwen3-moe", "qwen3_moe", seed=3)
     proc = launch(flags(model, tmp_path / "run", "--tensor-model-parallel-size", "2"), nproc=2, check=False)

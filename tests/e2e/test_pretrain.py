@@ -1,74 +1,30 @@
-"""End to end: `pretrain_mu_grpo.py` on a tiny random model with the in-process engine (issue: the staged trainer)."""
+"""End to end: `pretrain_mu_grpo.py` on a tiny random model with the in-process engine (issue: the staged trainer).
+The tiny model and the reference run are tests/e2e/conftest.py's."""
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from megamu.arguments import parse_args
-from megamu.tiny import save_tiny_model
-from tests.processes import run_owned
-from tests.torchrun import free_port
+from tests.e2e.runs import MU, STAGES, final_weights, flags, launch, records
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "pretrain_mu_grpo.py"
-MU, STAGES = 4, 2
-
-
-def flags(model: Path, save: Path, *extra: str) -> list[str]:
-    return [
-        "--hf-checkpoint", str(model), "--save", str(save), "--num-stages", str(STAGES), "--prompts-per-stage", "8",
-        "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
-        "--eval-prompts", "4", "--lr", "1e-3", "--reward-fn", "tests.e2e.rewards:has_digit", "--micro-batch-size", "4",
-        "--rollout-groups-per-shard", "2", "--save-interval", "2", "--seed", "7",
-        # every sample in every update, so each update has a ratio to check (skipping A = 0 is tested below)
-        "--no-skip-zero-advantage", *extra,
-    ]
-
-
-def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: bool = True):
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
-    proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def records(save: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == kind]
-
-
-def final_weights(save: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted((save / "hf" / "final").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", "llama", seed=3)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny, tmp_path_factory) -> Path:
-    save = tmp_path_factory.mktemp("runs") / "reference"
-    proc = launch(flags(tiny, save))
-    (save.parent / "stdout.txt").write_text(proc.stdout)
+def colocated_grpo(tiny, tmp_path_factory) -> Path:
+    """Standard GRPO, colocated (engine kept alive, weights pushed in memory), a checkpoint every 3 updates and none
+    pruned: read by the preset test (grpo) and the colocated checkpoint test, which used to launch it apart."""
+    save = tmp_path_factory.mktemp("runs") / "colocated-grpo"
+    launch(flags(tiny, save, "--algorithm", "grpo", "--rollout-mode", "colocated", "--save-interval", "3",
+                 "--keep-checkpoints", "0"))
     return save
 
 
+@slow
 def test_uninterrupted_run_writes_everything(tiny, reference):
     # after the first update, the rest of the run is estimated from this stage's rollout, that update and the base
     # evaluation: 7 more updates, 1 more stage's rollout, the final evaluation
@@ -107,24 +63,27 @@ def test_uninterrupted_run_writes_everything(tiny, reference):
     assert any(moved)
 
 
-@pytest.mark.parametrize(
-    "crash_env",
-    [
-        {"MEGAMU_CRASH_AFTER": "shard:1"},  # mid-rollout (stage 0 has 4 shards)
-        {"MEGAMU_CRASH_AFTER": "update:3"},  # mid-optimisation: last checkpoint at update 2
-        {"MEGAMU_CRASH_AFTER": "stage:0"},  # between stages
-    ],
-    ids=["mid-rollout", "mid-optimisation", "between-stages"],
-)
-def test_kill_and_resume_is_bitwise_identical(tiny, reference, tmp_path, crash_env):
+# One run killed at each point in turn, each rerun resuming from what the kill before left (these were three tests of
+# a kill and a resume each; one chain launches 4 trainers instead of 6 and still resumes from every point).
+CRASHES = [
+    ("mid-rollout", "shard:1"),  # stage 0 has 4 shards
+    ("mid-optimisation", "update:3"),  # last checkpoint at update 2
+    ("between-stages", "stage:0"),
+]
+
+
+@slow
+def test_kill_and_resume_is_bitwise_identical(tiny, reference, tmp_path):
     save = tmp_path / "run"
-    crashed = launch(flags(tiny, save), env=crash_env, check=False)
-    assert crashed.returncode != 0, "the crash hook did not fire"
-    assert not (save / "hf" / "final").exists()
-    left = save / "hf" / "stage_0"  # as a killed colocated run leaves its servers' launch folder (kept for restarts)
-    if not left.exists():
-        left.mkdir(parents=True)
-        (left / "config.json").write_text("{}")
+    for point, crash in CRASHES:
+        crashed = launch(flags(tiny, save), env={"MEGAMU_CRASH_AFTER": crash}, check=False)
+        assert crashed.returncode != 0, f"{point}: the crash hook did not fire"
+        assert not (save / "hf" / "final").exists(), point
+        # as a killed colocated run leaves its servers' launch folder (kept for restarts)
+        left = save / "hf" / "stage_0"
+        if not left.exists():
+            left.mkdir(parents=True)
+            (left / "config.json").write_text("{}")
     launch(flags(tiny, save))
     assert sorted(p.name for p in (save / "hf").iterdir()) == ["final"]  # no stage export outlives its run
     ref, got = final_weights(reference), final_weights(save)
@@ -134,6 +93,7 @@ def test_kill_and_resume_is_bitwise_identical(tiny, reference, tmp_path, crash_e
     assert [u["update"] for u in records(save, "update")] == list(range(STAGES * MU))
 
 
+@slow
 @pytest.mark.parametrize(
     "tp, mode", [(2, "staged"), (2, "colocated"), (1, "staged")], ids=["tp2", "tp2-colocated", "dp2"]
 )
@@ -149,25 +109,28 @@ def test_two_ranks(tiny, reference, tmp_path, tp, mode):
     assert (save / "hf" / "final" / "config.json").exists()
 
 
+@slow
 @pytest.mark.parametrize("preset", ["mu-grpo", "grpo", "grpo-high-staleness", "grpo-relaxed", "m2po"])
-def test_every_preset_runs_a_stage(tiny, tmp_path, preset):
-    extra = ["--algorithm", preset, "--num-stages", "1", "--eval-prompts", "0"]
-    if preset == "grpo":  # the standard-GRPO baseline: engine kept alive, weights pushed in memory
-        extra = ["--algorithm", preset, "--num-stages", "2", "--prompts-per-stage", "4", "--rollout-mode", "colocated",
-                 "--eval-prompts", "0"]
-    save = tmp_path / preset
-    launch(flags(tiny, save, *extra))
+def test_every_preset_runs_a_stage(tiny, tmp_path, preset, request):
+    if preset == "mu-grpo":  # the default algorithm: the reference run is it
+        save = request.getfixturevalue("reference")
+    elif preset == "grpo":  # the standard-GRPO baseline: engine kept alive, weights pushed in memory
+        save = request.getfixturevalue("colocated_grpo")
+    else:
+        save = tmp_path / preset
+        launch(flags(tiny, save, "--algorithm", preset, "--num-stages", "1", "--eval-prompts", "0"))
     updates = records(save, "update")
     assert updates and all(u["loss"] is not None for u in updates)
     assert updates[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     if preset == "grpo":
-        assert updates[2]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the in-memory push reached the engine
+        assert updates[MU]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # the in-memory push reached the engine
     if preset in ("grpo-relaxed", "grpo", "grpo-high-staleness"):
         assert all(u["veto_token_fraction"] == 0.0 for u in updates)
     if preset != "m2po":
         assert all(u["m2po_mask_fraction"] == 0.0 for u in updates)
 
 
+@slow
 def test_skipping_zero_advantage_samples_end_to_end(tiny, tmp_path):
     save = tmp_path / "skip"
     launch(flags(tiny, save, "--num-stages", "1", "--eval-prompts", "0", "--skip-zero-advantage"))
@@ -178,6 +141,7 @@ def test_skipping_zero_advantage_samples_end_to_end(tiny, tmp_path):
     assert trained and trained[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-2)  # θ moved little since update 0
 
 
+@slow
 def test_dry_run_prints_plan_and_starts_nothing(tiny, tmp_path):
     save = tmp_path / "dry"
     proc = launch(flags(tiny, save, "--dry-run", "--mu", "4"))
@@ -222,6 +186,7 @@ def test_stage_prompts_cover_each_epoch_once():
     assert epoch_stream(n, 3, 3 * per_stage, per_stage) == stream[12:16]  # a stage is a pure function of its index
 
 
+@slow
 def test_offload_train_is_bitwise_and_frees_the_optimiser_state(tiny, reference, tmp_path):
     """Staged runs offload by default (the reference): the same run without it ends with the same weights, bit for
     bit, and each stage record shows the trainer holding at least the Adam moments less while the engine ran."""
@@ -239,29 +204,28 @@ def test_offload_train_is_bitwise_and_frees_the_optimiser_state(tiny, reference,
     assert not (reference / "offload").exists() or not any((reference / "offload").iterdir())  # spill files gone
 
 
-def test_retention_keeps_two_checkpoints_and_resumes_bitwise(tiny, tmp_path):
-    """3 stages, a checkpoint after every update, 2 kept: a kill mid-stage-2 and a resume end bitwise equal to the
-    uninterrupted run, with exactly 2 checkpoints on disk."""
-    three = ("--num-stages", "3", "--save-interval", "1", "--keep-checkpoints", "2")
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    launch(flags(tiny, full, *three))
-    crashed = launch(flags(tiny, killed, *three), env={"MEGAMU_CRASH_AFTER": "update:10"}, check=False)
+@slow
+def test_retention_keeps_two_checkpoints_and_resumes_bitwise(tiny, reference, tmp_path):
+    """A checkpoint after every update, 2 kept: a kill mid-stage-1 and a resume end bitwise equal to the uninterrupted
+    reference run (checkpoints are read only on a resume, so how often they are written changes no weight), with
+    exactly 2 checkpoints on disk."""
+    killed = tmp_path / "killed"
+    every = ("--save-interval", "1", "--keep-checkpoints", "2")
+    crashed = launch(flags(tiny, killed, *every), env={"MEGAMU_CRASH_AFTER": "update:6"}, check=False)
     assert crashed.returncode != 0
-    assert sorted(p.name for p in killed.glob("iter_*")) == ["iter_0000009", "iter_0000010"]
-    launch(flags(tiny, killed, *three))
-    ref, got = final_weights(full), final_weights(killed)
+    assert sorted(p.name for p in killed.glob("iter_*")) == ["iter_0000005", "iter_0000006"]
+    launch(flags(tiny, killed, *every))
+    ref, got = final_weights(reference), final_weights(killed)
     assert ref.keys() == got.keys() and all(torch.equal(ref[n], got[n]) for n in ref)
-    for save in (full, killed):
-        assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000011", "iter_0000012"]
-        assert not list(save.glob(".iter_*"))
+    assert sorted(p.name for p in killed.glob("iter_*")) == ["iter_0000007", "iter_0000008"]
+    assert not list(killed.glob(".iter_*"))
     disk = sum(f.stat().st_size for f in killed.glob("iter_*/**/*") if f.is_file())
     print(f"2 checkpoints: {disk / 2**20:.2f} MiB")
 
 
-def test_colocated_run_writes_no_per_refresh_checkpoint_or_export(tiny, tmp_path):
-    save = tmp_path / "colocated"
-    launch(flags(tiny, save, "--rollout-mode", "colocated", "--save-interval", "3", "--keep-checkpoints", "0"))
+@slow
+def test_colocated_run_writes_no_per_refresh_checkpoint_or_export(colocated_grpo):
     # 2 refreshes of μ = 4 updates: a checkpoint every 3 updates of the run and at its end, none at a refresh (4)
-    assert len(records(save, "update")) == 8
-    assert sorted(p.name for p in save.glob("iter_*")) == [f"iter_{i:07d}" for i in (3, 6, 8)]
-    assert sorted(p.name for p in (save / "hf").iterdir()) == ["final"]
+    assert len(records(colocated_grpo, "update")) == 8
+    assert sorted(p.name for p in colocated_grpo.glob("iter_*")) == [f"iter_{i:07d}" for i in (3, 6, 8)]
+    assert sorted(p.name for p in (colocated_grpo / "hf").iterdir()) == ["final"]

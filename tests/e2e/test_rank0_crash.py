@@ -9,12 +9,15 @@ import json
 import sys
 import time
 
-from tests.e2e.test_pretrain import REPO, flags, launch, records, tiny  # noqa: F401  (fixture)
+import pytest
+
+from tests.e2e.runs import REPO, flags, launch, records
 from tests.processes import pid_alive
 from tests.torchrun import server_ports
 
 
-def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):
     save, record = tmp_path / "run", tmp_path / "servers"
     record.mkdir()
     port = server_ports()

@@ -1,9 +1,13 @@
 """Issue #33, item 2, as the user met it: a verl compute_score runs; a reward function that raises stops the run."""
 
-from tests.e2e.test_pretrain import flags, launch, records, reference, tiny  # noqa: F401  (fixtures)
+import pytest
+
+from tests.e2e.runs import flags, launch, records
+
+pytestmark = pytest.mark.slow  # every test launches a trainer
 
 
-def test_verls_compute_score_scores_as_megamus_own_function_does(tiny, reference, tmp_path):  # noqa: F811
+def test_verls_compute_score_scores_as_megamus_own_function_does(tiny, reference, tmp_path):
     save = tmp_path / "verl"
     launch([*flags(tiny, save), "--reward-fn", "tests.e2e.rewards:compute_score"],
            env={"MEGAMU_CRASH_AFTER": "stage:0"}, check=False)  # stage 0 is enough
@@ -13,7 +17,7 @@ def test_verls_compute_score_scores_as_megamus_own_function_does(tiny, reference
     assert got[0]["reward_errors"] == 0 and got[0]["reward_timeouts"] == 0
 
 
-def test_a_reward_function_that_always_raises_stops_the_run_at_its_first_shard(tiny, tmp_path):  # noqa: F811
+def test_a_reward_function_that_always_raises_stops_the_run_at_its_first_shard(tiny, tmp_path):
     save = tmp_path / "typo"
     proc = launch([*flags(tiny, save), "--reward-fn", "tests.e2e.rewards:compute_score_typo"], check=False)
     assert proc.returncode != 0
@@ -24,7 +28,7 @@ def test_a_reward_function_that_always_raises_stops_the_run_at_its_first_shard(t
     assert not records(save, "update") if (save / "metrics.jsonl").exists() else True
 
 
-def test_slime_message_rows_and_custom_rm_train(tiny, tmp_path):  # noqa: F811
+def test_slime_message_rows_and_custom_rm_train(tiny, tmp_path):
     """Issue #33, item 3 as a slime user runs it: message rows, --input-key/--label-key/--apply-chat-template,
     --custom-rm-path with a coroutine reading the row's metadata."""
     import json

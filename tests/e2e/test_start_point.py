@@ -3,10 +3,11 @@
 import pytest
 
 from megamu.arguments import parse_args
-from tests.e2e.test_pretrain import MU, STAGES, flags, launch, records, tiny  # noqa: F401  (tiny: a fixture)
+from tests.e2e.runs import MU, STAGES, flags, launch, records
 
 
-def test_kill_and_rerun_with_load_a_save_b_resumes_from_b(tiny, tmp_path):  # noqa: F811
+@pytest.mark.slow
+def test_kill_and_rerun_with_load_a_save_b_resumes_from_b(tiny, tmp_path):
     """The user's steps: `--load A --save B`, killed after B saved update 6, then the same command again."""
     a, b = tmp_path / "A", tmp_path / "B"
     assert launch(flags(tiny, a), env={"MEGAMU_CRASH_AFTER": "update:2"}, check=False).returncode != 0
@@ -26,7 +27,7 @@ def test_kill_and_rerun_with_load_a_save_b_resumes_from_b(tiny, tmp_path):  # no
     assert (a / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # the start point is only read
 
 
-def test_a_start_point_without_a_checkpoint_is_a_clear_error(tiny, tmp_path):  # noqa: F811
+def test_a_start_point_without_a_checkpoint_is_a_clear_error(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     for flag in ("--load", "--pretrained-checkpoint"):
         with pytest.raises(SystemExit, match=f"{flag}: {tmp_path / 'empty'} holds no checkpoint"):

@@ -1,7 +1,11 @@
 from pathlib import Path
 
+import pytest
+
 from megamu.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun world (TP=2)
 
 WORKER = Path(__file__).parent / "workers" / "tp_parity.py"
 

@@ -46,6 +46,7 @@ def test_servers_run_under_the_named_python_and_environment(tiny_llama, tmp_path
     assert pids and not any(pid_alive(p) for p in pids)
 
 
+@pytest.mark.slow
 def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llama, tmp_path):
     port = server_ports(11)  # node n's server at port + 10 n
     run_torchrun(REPO / "tests" / "rollout" / "workers" / "sglang_nodes.py", 2, tiny_llama, str(tmp_path), str(port),
@@ -118,6 +119,7 @@ def _two_nodes(model_dir: str, record: Path, *mode: str) -> list[dict]:
     return nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_llama, tmp_path):
     """Each node's servers generate part of the stage and the record counts each; each node's stop leaves nothing.
     Then node 1's server is killed mid-stage: node 1 finds it dead (and restarts it: the stage may end first), rank 0
@@ -144,6 +146,7 @@ def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_ll
     _assert_same_samples(*(_key(d / "run" / "rollouts" / "stage_0") for d in (tmp_path / "kill", tmp_path / "clean")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["distributed", "tensor"])  # a folder push (disk) takes rank 0's path of "distributed"
 def test_colocated_servers_on_two_nodes_stay_up_and_take_every_push(tiny_llama, tmp_path, sync):
     """Colocated: each node's servers start once, serve both stages, and are gone after the run's close. The second

@@ -268,7 +268,7 @@ def test_tensor_push_into_the_server(served, tmp_path):
 def test_two_stage_run_against_the_server(served, tmp_path):
     """pretrain_mu_grpo.py with --sglang-url: each stage's export is checked against the running model and loaded
     from disk; θ = β at each stage's first update (ratio 1) shows server, converter and trainer agree."""
-    from tests.e2e.test_pretrain import MU, flags, launch, records
+    from tests.e2e.runs import MU, flags, launch, records
 
     save = tmp_path / "run"
     launch(flags(served.model_dir_base, save, "--rollout-engine", "sglang", "--sglang-url", served.engine.urls[0]),
@@ -285,7 +285,7 @@ def test_two_stage_run_against_the_server(served, tmp_path):
 def test_colocated_grpo_run_syncs_in_memory(served, tmp_path):
     """--rollout-mode colocated with SGLang: after the first stage the weights go over in memory (no per-refresh
     export), each refresh is probed against the trainer's own log-probs, and the stage starts at ratio 1."""
-    from tests.e2e.test_pretrain import MU, flags, launch, records
+    from tests.e2e.runs import MU, flags, launch, records
 
     save = tmp_path / "run"
     launch(flags(served.model_dir_base, save, "--rollout-engine", "sglang", "--sglang-url", served.engine.urls[0],

@@ -8,8 +8,12 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from megamu.tiny import save_tiny_model
 from tests.processes import run_owned
+
+pytestmark = pytest.mark.slow  # bench/learning.py launches the trainer once per preset
 
 REPO = Path(__file__).resolve().parents[2]
 

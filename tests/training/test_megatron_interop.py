@@ -7,8 +7,12 @@ also pins down where megatron-core 0.16.1's stock save refuses a CPU-only torch
 
 from pathlib import Path
 
+import pytest
+
 from megamu.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
+
+pytestmark = pytest.mark.slow  # a torchrun world (TP=2)
 
 WORKER = Path(__file__).parent / "workers" / "megatron_interop_worker.py"
 

@@ -10,6 +10,8 @@ import pytest
 from megamu.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
 
+pytestmark = pytest.mark.slow  # torchrun worlds
+
 WORKER = Path(__file__).parent / "workers" / "parallel_worker.py"
 
 

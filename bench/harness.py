@@ -99,7 +99,7 @@ def _cell(v) -> str:
 def tiny_llama(folder: Path, hidden: int = 128) -> Path:
     """A random 4-layer llama of width ``hidden`` with the char tokenizer (score it with a digit reward: it earns no
     math reward)."""
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     return save_tiny_model(folder, "llama", hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4)

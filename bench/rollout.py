@@ -166,7 +166,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
-            from megamu.tiny import save_tiny_model
+            from tests.tiny import save_tiny_model
 
             hf_dir = str(save_tiny_model(Path(tmp) / "tiny", "llama", seed=0, num_hidden_layers=4, hidden_size=128,
                                          intermediate_size=256))

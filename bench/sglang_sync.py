@@ -23,7 +23,7 @@ import torch
 from megamu.engines.sglang.client import SGLangEngine
 from megamu.engines.sglang.cpu_build import cpu_config
 from megamu.engines.sglang.weight_sync import LogprobProbe
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 
 
 def _perturbed(state: dict, k: int) -> dict:

@@ -52,7 +52,7 @@ def hf_dir(name: str) -> Path:
         from megamu.demo_model import smollm2_hf_dir
 
         return smollm2_hf_dir()
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     return save_tiny_model(Path(tempfile.mkdtemp()) / "tiny", "llama", hidden_size=256, intermediate_size=768,
                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)

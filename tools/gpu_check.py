@@ -102,8 +102,8 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int):
 def build(args, cuda: bool):
     from megamu.device import Device
     from megamu.model import ModelArch, build_model
-    from megamu.tiny import tiny_hf_config
     from megamu.training import OptimizerConfig, build_optimizer
+    from tests.tiny import tiny_hf_config
 
     config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
     arch = ModelArch.from_hf(config)
@@ -217,7 +217,7 @@ def stage_flags(hf: Path, save: Path, cuda: bool) -> list[str]:
 
 
 def check_stage(cuda, root: Path) -> Row:
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     hf = save_tiny_model(root / "tiny-qwen2", "qwen2", seed=3)
     save = root / "run"
@@ -276,7 +276,7 @@ def path_rows(args, cuda: bool, only: set[str]) -> list[Row]:
 
     rows = []
     if "plan" in only:
-        from megamu.tiny import tiny_hf_config
+        from tests.tiny import tiny_hf_config
 
         config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
         samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)

@@ -26,7 +26,7 @@ import torch
 
 from bench.lab.evaluate import _prompt_ids, accuracy
 from bench.lab.task import max_reply_chars, problems, prompt_text, solution
-from megamu.tiny import build_char_tokenizer
+from tests.tiny import build_char_tokenizer
 
 CACHE = Path(os.environ.get("MEGAMU_CACHE", Path.home() / ".cache" / "megamu"))
 # The lab task's operand length (issue 34): 4 digits were solved by standard GRPO in ~64 updates, leaving a stage of

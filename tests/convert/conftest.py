@@ -1,6 +1,6 @@
 import pytest
 
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}

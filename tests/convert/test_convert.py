@@ -55,7 +55,7 @@ def test_hf_load_tp1_matches_transformers_and_exports_bitwise(name, tiny_hf, tmp
 
 
 def test_unsupported_config_names_the_field(tiny_hf):
-    from megamu.tiny import tiny_hf_config
+    from tests.tiny import tiny_hf_config
 
     with pytest.raises(ValueError, match="hidden_act"):
         ModelArch.from_hf(tiny_hf_config("llama", hidden_act="gelu"))

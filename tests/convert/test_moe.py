@@ -9,7 +9,7 @@ import torch
 from megamu.convert.bridge import hf_to_torch_dist
 from megamu.convert.io import SafetensorsDir
 from megamu.parallel import init_distributed
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
 
 pytestmark = pytest.mark.slow  # torchrun worlds (TP=2, EP=2)

@@ -1,6 +1,6 @@
 import pytest
 
-from megamu.tiny import build_char_tokenizer
+from tests.tiny import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

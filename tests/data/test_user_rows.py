@@ -11,7 +11,7 @@ from megamu.arguments import parse_args
 from megamu.data import DEFAULT_INSTRUCTION, PromptDataError, load_prompts
 from megamu.reward.signatures import RowMeta
 
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # megamu.tiny's char tokenizer's template
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # tests.tiny's char tokenizer's template
 
 VERL_ROW = {  # verl's examples/data_preprocess/gsm8k.py layout
     "data_source": "openai/gsm8k",

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megamu.tiny import save_tiny_model
 from tests.e2e.runs import flags, launch
+from tests.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ top-2), the in-process engine (transformers' Qwen3MoeForCausalLM on the exported
 import pytest
 import torch
 
-from megamu.tiny import save_tiny_model
 from tests.e2e.runs import MU, STAGES, final_weights, flags, launch, records
+from tests.tiny import save_tiny_model
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
 from megamu.device import Device
 from megamu.model import ModelArch, build_model, unwrap
-from megamu.tiny import save_tiny_model
 from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, train_step
+from tests.tiny import save_tiny_model
 from tests.training.helpers import make_samples, set_behaviour
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -13,7 +13,6 @@ from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
 from megamu.device import Device
 from megamu.model import ModelArch, build_model, forward_logprobs, unwrap
-from megamu.tiny import save_tiny_model
 from megamu.training import (
     OptimizerConfig,
     build_optimizer,
@@ -22,6 +21,7 @@ from megamu.training import (
     save_checkpoint,
     train_step,
 )
+from tests.tiny import save_tiny_model
 from tests.training.helpers import make_samples, set_behaviour
 
 pytestmark = [

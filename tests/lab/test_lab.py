@@ -13,7 +13,7 @@ from bench.lab import model as lab_model
 from bench.lab.evaluate import _decode, _prompt_ids, accuracy, load
 from bench.lab.task import boxed, correct, problems, read_rows, solution, write_split
 from megamu.reward.math import math_score
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 
 TINY = lab_model.LabSpec(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, digits=4, max_steps=3, eval_every=1, probe_from=0, probe_problems=4,

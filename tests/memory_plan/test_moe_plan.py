@@ -29,7 +29,7 @@ QWEN3_30B_A3B = {
 def test_parameter_count_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     out = save_tiny_model(tmp_path / "moe", "qwen3_moe")
     hf = AutoModelForCausalLM.from_pretrained(out)

@@ -42,7 +42,7 @@ def test_parameter_count_by_hand():
 def test_parameter_count_matches_transformers(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     out = save_tiny_model(tmp_path / family, family)
     config = json.loads((out / "config.json").read_text())

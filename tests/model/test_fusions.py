@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from megamu.model.config import FUSIONS, ModelArch, fusion_fields, transformer_config
-from megamu.tiny import tiny_hf_config
+from tests.tiny import tiny_hf_config
 
 
 def test_te_config_has_megatrons_fusions_and_local_has_none(distributed, monkeypatch):

@@ -7,8 +7,8 @@ import torch
 from megamu.convert import load_hf_into_model
 from megamu.model import ModelArch, build_model
 from megamu.model.config import moe_config_fields, moe_impl
-from megamu.tiny import save_tiny_model
 from tests.numerics import reorder_rtol
+from tests.tiny import save_tiny_model
 
 SEQ = 24
 
@@ -96,7 +96,7 @@ def test_the_device_decides_experts_dispatcher_and_router():
 
 
 def _qwen3_moe_config(**kw):
-    from megamu.tiny import tiny_hf_config
+    from tests.tiny import tiny_hf_config
 
     return tiny_hf_config("qwen3_moe", vocab_size=300, **kw)
 

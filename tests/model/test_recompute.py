@@ -4,7 +4,7 @@ megatron's activation checkpointing saves and restores the CUDA RNG state and so
 import pytest
 
 from megamu.model.config import ModelArch, transformer_config
-from megamu.tiny import tiny_hf_config
+from tests.tiny import tiny_hf_config
 
 
 def test_recompute_granularity_sets_megatrons_fields(distributed):

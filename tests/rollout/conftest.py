@@ -1,6 +1,6 @@
 import pytest
 
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="session")

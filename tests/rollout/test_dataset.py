@@ -5,7 +5,7 @@ from megamu.data.prompts import PromptRecord
 from megamu.engines.types import EngineBase, GeneratedSample, SamplingParams
 from megamu.rollout.dataset import MANIFEST, SCHEMA, StageDataset, StageDatasetError
 from megamu.rollout.phase import run_rollout_phase
-from megamu.tiny import build_char_tokenizer
+from tests.tiny import build_char_tokenizer
 
 
 class FakeEngine(EngineBase):
@@ -89,7 +89,7 @@ def test_minibatches_shuffle_chain_epochs_and_resume(stage):
 
 
 def test_inspect_rollouts_prints_summary_and_samples(stage, capsys):
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
     from tools.inspect_rollouts import main
 
     path, m = stage

@@ -112,7 +112,7 @@ def test_sampler_frequencies_match_filtered_distribution():
 
 
 def test_update_weights_from_folder_and_state_dict(tiny_llama, tmp_path):
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     other = save_tiny_model(tmp_path / "other", "llama", seed=3)
     sp = SamplingParams(max_new_tokens=12, n=1, seed=2)
@@ -146,7 +146,7 @@ def test_sampler_never_picks_a_removed_token_when_the_uniform_rounds_to_one():
 def test_eos_ids_from_config_and_generation_config(tmp_path):
     import json
 
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     d = save_tiny_model(tmp_path / "m", "llama", seed=0)
     gen = json.loads((d / "generation_config.json").read_text())

@@ -14,7 +14,7 @@ from megamu.engines.types import EngineBase, SamplingParams
 from megamu.faults import CRASH_ENV
 from megamu.rollout.dataset import MANIFEST, StageDataset, StageDatasetError
 from megamu.rollout.phase import generate_groups, run_rollout_phase
-from megamu.tiny import build_char_tokenizer
+from tests.tiny import build_char_tokenizer
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, seed=123)
 REPO = Path(__file__).resolve().parents[2]

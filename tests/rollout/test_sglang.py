@@ -97,7 +97,7 @@ def test_timeout_is_an_error(server):
 def test_wrong_api_key_and_update_weights(server, tiny_llama, tmp_path):
     with pytest.raises(SGLangError, match="rejected the API key"):  # /health needs no key: /server_info tells
         _client(server, api_key="wrong", startup_timeout_s=0.5)
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     other = save_tiny_model(tmp_path / "other", "llama", seed=5)
     client = _client(server)

@@ -22,10 +22,10 @@ from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.sglang.schema import SGLangError
 from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
-from megamu.tiny import build_char_tokenizer
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
+from tests.tiny import build_char_tokenizer
 from tests.torchrun import free_port, server_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -238,7 +238,7 @@ def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama
     that folder (and version) before it takes requests again, so no sample of stale weights is made (the client would
     refuse it)."""
     from megamu.engines.types import GenerateRequest, SamplingParams
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     newer = str(save_tiny_model(tmp_path / "newer", "llama", seed=5))
     servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]

@@ -155,7 +155,7 @@ def test_colocated_servers_on_two_nodes_stay_up_and_take_every_push(tiny_llama, 
     of their own), or each node's own push of CUDA IPC-style handles to its own servers (in memory, servers on the
     trainer's GPUs: a node's handles open only on its host)."""
     from megamu.rollout.dataset import StageDataset
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     other = str(save_tiny_model(tmp_path / "other", "llama", seed=5))
     nodes = _two_nodes(tiny_llama, tmp_path / "run0", "colocated", other, sync)

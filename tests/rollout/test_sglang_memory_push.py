@@ -18,9 +18,9 @@ import torch
 
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine
-from megamu.tiny import save_tiny_model
 from tests.rollout.schema_server import SchemaServer
 from tests.rollout.test_sglang_health import _assert_same_samples, _config, _key, _on_first_shard, _phase
+from tests.tiny import save_tiny_model
 
 TRANSPORTS = {"distributed": {}, "tensor": dict(shares_trainer_devices=True, sync_backend="nccl")}
 

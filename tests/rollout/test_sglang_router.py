@@ -18,9 +18,9 @@ from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine
 from megamu.engines.sglang.nodes import start_sglang
 from megamu.engines.types import GenerateRequest, SamplingParams
-from megamu.tiny import save_tiny_model
 from tests.rollout.schema_server import SchemaServer
 from tests.rollout.test_sglang_health import _config
+from tests.tiny import save_tiny_model
 from tests.torchrun import free_port
 
 

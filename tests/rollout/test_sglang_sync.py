@@ -17,7 +17,7 @@ from megamu.engines.sglang.weight_sync import (
     flatten,
 )
 from megamu.engines.types import EngineBase, GenerateRequest, PromptError, SamplingParams
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 
 
 def _client(server, **kw):
@@ -136,8 +136,8 @@ def test_launch_command_and_environment():
 def test_streamed_phase_writes_the_same_shards_and_keeps_them_after_a_failure(server, tiny_llama, tmp_path):
     from megamu.rollout.dataset import StageDataset
     from megamu.rollout.phase import run_rollout_phase
-    from megamu.tiny import build_char_tokenizer
     from tests.rollout.test_phase import SAMPLING, ParityScorer, _assert_same_groups, make_prompts
+    from tests.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     prompts = make_prompts(tok)

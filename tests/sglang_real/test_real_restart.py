@@ -21,8 +21,8 @@ from megamu.engines.sglang.cpu_build import cpu_config
 from megamu.engines.types import SamplingParams
 from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
-from megamu.tiny import build_char_tokenizer, save_tiny_model
 from tests.processes import pid_alive
+from tests.tiny import build_char_tokenizer, save_tiny_model
 
 PORT = 39450  # not the module server's of test_real_server.py
 ATOL = 1e-4

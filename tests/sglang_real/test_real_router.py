@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from megamu.engines.sglang.cpu_build import cpu_config
 from megamu.engines.sglang.nodes import start_sglang
 from megamu.engines.types import GenerateRequest, SamplingParams
-from megamu.tiny import save_tiny_model
 from tests.rollout.test_sglang_router import router  # noqa: F401  (fixture)
+from tests.tiny import save_tiny_model
 
 PORT = 39470  # not the other real-server tests'
 ATOL = 1e-4

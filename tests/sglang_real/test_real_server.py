@@ -19,8 +19,8 @@ from megamu.engines.sglang.client import SGLangEngine, SGLangError
 from megamu.engines.sglang.cpu_build import API_KEY, cpu_config
 from megamu.engines.sglang.weight_sync import LogprobProbe, WeightMismatch
 from megamu.engines.types import GenerateRequest, PromptError, SamplingParams
-from megamu.tiny import save_tiny_model
 from tests.processes import group_members, pid_alive
+from tests.tiny import save_tiny_model
 
 ATOL = 1e-4
 PORT = 39400
@@ -135,7 +135,7 @@ def test_rollout_phase_streams_shards(served, tmp_path):
     from megamu.data.prompts import PromptRecord
     from megamu.rollout.dataset import StageDataset
     from megamu.rollout.phase import run_rollout_phase
-    from megamu.tiny import build_char_tokenizer
+    from tests.tiny import build_char_tokenizer
 
     class LengthScorer:
         def score(self, responses, truths):

@@ -65,7 +65,7 @@ def humaneval_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny", "qwen2", seed=0)
 

@@ -132,7 +132,7 @@ def scorer():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", "qwen2", seed=0)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megamu.tiny import save_tiny_model
 from tests.processes import run_owned
+from tests.tiny import save_tiny_model
 
 pytestmark = pytest.mark.slow  # bench/learning.py launches the trainer once per preset
 

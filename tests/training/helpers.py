@@ -14,7 +14,7 @@ def tiny_model(hf_dir: str | Path, family: str = "llama", seed: int = 0, params_
     """(model, arch) of a random tiny HF model written to ``hf_dir`` (reused when present) and loaded into megatron."""
     from megamu.convert.checkpoint import load_hf_into_model
     from megamu.model import ModelArch, build_model
-    from megamu.tiny import save_tiny_model
+    from tests.tiny import save_tiny_model
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():

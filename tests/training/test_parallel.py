@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megamu.tiny import save_tiny_model
+from tests.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
 
 pytestmark = pytest.mark.slow  # torchrun worlds

@@ -6,8 +6,8 @@ from megamu.data import DEMO_FEW_SHOT, DEMO_INSTRUCTION
 from megamu.engines.local import LocalEngine
 from megamu.reward import RewardScorer
 from megamu.rollout.phase import run_rollout_phase
-from megamu.tiny import build_char_tokenizer
 from tests.rollout.test_phase import SAMPLING, make_prompts
+from tests.tiny import build_char_tokenizer
 
 
 def main(hf_dir: str, out_dir: str) -> None:

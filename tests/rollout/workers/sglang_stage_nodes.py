@@ -27,9 +27,9 @@ from megamu.metrics import MetricsLogger
 from megamu.reward.config import RewardConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_dir import RunDir
-from megamu.tiny import build_char_tokenizer
 from megamu.weights import Weights
 from tests.rollout.test_phase import make_prompts
+from tests.tiny import build_char_tokenizer
 
 
 def kill_after_first_shard(first_shard: Path, pid: int) -> None:

@@ -43,7 +43,9 @@ class PolicyConfig:
     skip_zero_advantage: bool = True
     keep_checkpoints: int = 2  # newest checkpoints kept under save_dir (0: all)
     export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
-    offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
+    # Gradients and optimiser state (GPU: also weights) leave the device during rollouts. None: a run's RunConfig
+    # sets it by mode (on where the engine takes turns with the trainer for the device); a policy on its own: off.
+    offload_train: bool | None = None
     recompute_granularity: str | None = None  # "full" | "selective"
     pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load_dir
 

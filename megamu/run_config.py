@@ -4,19 +4,22 @@ everything a run is built from (``RunConfig``: one config per part plus the loop
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from megamu.algo import AlgoConfig
+from megamu.async_config import AsyncConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig
-from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
-from megamu.loop.async_ import AsyncConfig
+from megamu.errors import ConfigError, build_at, check_choice, check_non_negative, check_positive
 from megamu.loop.heldout import EvalConfig
 from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
+from megamu.run_dir import RunDir
 from megamu.tracking import TrackerConfig
 
 ROLLOUT_MODES = ("staged", "colocated", "async")
@@ -153,7 +156,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.run.Run)."""
+    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.run.Run).
+
+    A field left None where a comment says "derived" follows from the mode and the device; ``__post_init__`` fills it
+    in (``derive``), here and nowhere else, so a config built in code runs as the same one built from flags."""
 
     plan: Plan
     algo: AlgoConfig
@@ -163,16 +169,16 @@ class RunConfig:
     rollout: RolloutConfig
     prompts: PromptsConfig
     save: Path
-    tensorboard_dir: str
     seed: int
+    tensorboard_dir: str | None = None  # derived: <save>/tensorboard
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1  # MoE: experts split over this many ranks (GPU only)
     distributed_timeout_minutes: float | None = None
-    cpu_threads: int | None = None  # CPU async mode: the trainer's torch threads (the engine process has the rest)
+    cpu_threads: int | None = None  # derived, CPU async mode: the trainer's torch threads (the engine has the rest)
     log_interval: int = 1
     save_interval: int = 0
     hf_export_interval: int = 0
-    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all; None: as many as checkpoints)
+    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all); derived: keep_checkpoints
     recompute_behaviour_logprobs: bool = False
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
@@ -181,6 +187,9 @@ class RunConfig:
     tracker: TrackerConfig = TrackerConfig()
 
     def __post_init__(self):
+        if (self.async_ is not None) != self.plan.is_async:
+            raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
+        self.derive()
         check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads")
         if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
             # megatron-core 0.16.1's allgather dispatcher gathers the tokens over TP x EP into a CUDA tensor
@@ -190,23 +199,52 @@ class RunConfig:
         check_non_negative(self, "save_interval", "hf_export_interval", "keep_hf_exports")
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
-        if (self.async_ is not None) != self.plan.is_async:
-            raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
+        if self.engine.kind == "sglang" and self.engine.sglang.weight_sync == "memory" \
+                and self.plan.rollout_mode != "colocated":
+            raise ConfigError("engine.sglang.weight_sync", "memory needs --rollout-mode colocated (staged mode starts "
+                                                           "each stage's servers from the stage's export)")
         if self.async_ is not None and self.async_.queue_groups < self.plan.prompts_per_update:
-            raise ConfigError("queue_groups", f"must hold one update's {self.plan.prompts_per_update} groups")
+            raise ConfigError("async_.queue_groups", f"must hold one update's {self.plan.prompts_per_update} groups")
         if self.async_ is not None and self.async_.rollout_devices and not self.device.is_cuda and not self.dry_run:
-            raise ConfigError("rollout_devices", "needs GPUs; on CPU the engine process shares the cores with the "
-                                                 "trainer")
+            raise ConfigError("async_.rollout_devices", "needs GPUs; on CPU the engine process shares the cores with "
+                                                        "the trainer")
         interval = self.evaluation.eval_interval
         if interval and self.plan.is_async:
-            raise ConfigError("eval_interval", "async mode evaluates after its last update only (its engine process "
-                                               "has no held-out prompts)")
+            raise ConfigError("evaluation.eval_interval", "async mode evaluates after its last update only (its "
+                                                          "engine process has no held-out prompts)")
         if interval and interval % self.plan.mu:
-            raise ConfigError("eval_interval", f"{interval} is not a multiple of μ = {self.plan.mu}: evaluations run "
-                                               "on the engine, which holds the policy of a stage's start")
+            raise ConfigError("evaluation.eval_interval", f"{interval} is not a multiple of μ = {self.plan.mu}: "
+                                                          "evaluations run on the engine, which holds the policy of "
+                                                          "a stage's start")
         if self.recompute_behaviour_logprobs and self.plan.rollout_mode == "async":
-            raise ConfigError("behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
-                                                    "engine's log-probs")
+            raise ConfigError("recompute_behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
+                                                              "engine's log-probs")
+
+    def derive(self) -> None:
+        """Fill in the fields left None that follow from the mode and the device (explicit values stay). Frozen
+        children are replaced, and this config's own fields set with object.__setattr__."""
+        plan, device, set_ = self.plan, self.device, partial(object.__setattr__, self)
+        if self.tensorboard_dir is None:
+            set_("tensorboard_dir", str(RunDir(self.save).tensorboard))
+        if self.policy.offload_train is None:
+            # staged and colocated engines take turns with the trainer for the device; async ones have their own
+            set_("policy", build_at("policy", replace, self.policy, offload_train=not plan.is_async))
+        engine = self.engine
+        sglang = engine.sglang
+        if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
+            sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", device.backend)
+        dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
+        set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))
+        if self.keep_hf_exports is None:
+            set_("keep_hf_exports", self.policy.keep_checkpoints)
+        if self.async_ is not None:
+            a = self.async_
+            # CPU: the engine process and the trainer split the cores (each thread count set, so neither spins)
+            threads = a.worker_threads if a.worker_threads or device.is_cuda else max(1, (os.cpu_count() or 2) // 2)
+            queue = a.queue_groups or AsyncConfig.default_queue_groups(plan, self.rollout.groups_per_shard)
+            set_("async_", build_at("async_", replace, a, queue_groups=queue, worker_threads=threads))
+            if self.cpu_threads is None and not device.is_cuda:
+                set_("cpu_threads", max(1, (os.cpu_count() or 2) - threads))
 
     def describe(self) -> str:
         precision = "bf16" if self.policy.bf16 else "fp32"
@@ -214,13 +252,14 @@ class RunConfig:
                                              f"engine {self.engine.dtype}", self.device.describe())
 
 
-def memory_plan_of(model_config: dict | None, *, policy: PolicyConfig, engine: EngineConfig, plan: Plan,
-                   prompts: PromptsConfig, tp: int, world: int, ep: int = 1, gpu_memory_gib: float,
+def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
                    for_gpu: bool) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note)."""
     if model_config is None or not for_gpu:
         return None
+    policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
+    tp, ep = run.tensor_model_parallel_size, run.expert_model_parallel_size
     try:
         model = ModelShape.from_hf_config(model_config)
     except ConfigError as e:

@@ -72,10 +72,10 @@ def test_no_import_cycle():
 
 
 def _bad_configs():
+    from megamu.async_config import AsyncConfig
     from megamu.data.stage_prompts import PromptsConfig
     from megamu.device import CPU
     from megamu.engines import EngineConfig, SGLangConfig
-    from megamu.loop.async_ import AsyncConfig
     from megamu.policy import PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig

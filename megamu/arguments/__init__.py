@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
-    FLAG_OF_FIELD,
+    FLAG_OF_PATH,
     _config,
     _default,
     _error,
@@ -20,13 +21,15 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     add_reward_arguments,
     answer_key,
     engine_config,
+    engine_flags,
+    flag_of,
     reward_config,
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
+from megamu.async_config import AsyncConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
-from megamu.loop.async_ import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
@@ -193,15 +196,15 @@ def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
                                           "and --prompts-per-update")
-        return _config(Plan, prompts_per_update=args.prompts_per_update or 4,
+        return _config(Plan, at="plan", prompts_per_update=args.prompts_per_update or 4,
                        n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
                        algorithm=algorithm, rollout_mode=args.rollout_mode, num_stages=args.num_stages, mu=args.mu,
                        train_iters=args.train_iters, weight_sync_interval=args.weight_sync_interval,
                        max_policy_lag=args.max_policy_lag)
-    num_stages, b_mini, mu = _config(stage_counts, prompts_per_stage=args.prompts_per_stage,
+    num_stages, b_mini, mu = _config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
                                      prompts_per_update=args.prompts_per_update, mu=args.mu,
                                      num_stages=args.num_stages, train_iters=args.train_iters)
-    return _config(Plan, prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
+    return _config(Plan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
                    max_response_len=args.rollout_max_response_len, algorithm=algorithm,
                    rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
 
@@ -277,7 +280,7 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
 
 def check_memory(plan) -> None:
     """A MemoryPlan that overflows the device is an error naming the flag to change and the line that overflows."""
-    _config(plan.check)
+    _config(plan.check, at="memory")
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -288,43 +291,36 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     config = hf_config(args)
     plan = plan_of(args, args.algorithm)
     check_megatron_arguments(args, plan.prompts_per_update)
-    algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
-                   veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
-                   aggregation=args.loss_aggregation)
-    optimizer = _config(OptimizerConfig, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                        lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps,
-                        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters or plan.total_updates,
-                        min_lr=args.min_lr)
+    algo = _config(algo_preset(args.algorithm).with_overrides, at="algo", clip_low=args.clip_low,
+                   clip_high=args.clip_high, veto_threshold=args.nav_threshold, veto_scope=args.nav_scope,
+                   m2po_threshold=args.m2po_threshold, aggregation=args.loss_aggregation)
+    optimizer = _config(OptimizerConfig, at="policy.optimizer", lr=args.lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                        clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
+                        max_skipped_steps=args.max_skipped_steps, lr_decay_style=args.lr_decay_style,
+                        lr_decay_iters=args.lr_decay_iters or plan.total_updates, min_lr=args.min_lr)
     save = Path(args.save)
-    engine = engine_config(args, device)
-    # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
-    cpu_split = args.rollout_mode == "async" and not device.is_cuda
-    worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
     policy = _config(
-        PolicyConfig, hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
-        load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
+        PolicyConfig, at="policy", hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer,
+        save_dir=save, load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
         pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
-        keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
-        # staged and colocated engines take turns with the trainer for the device; async ones have devices of their own
-        offload_train=args.rollout_mode != "async" if args.offload_train is None else args.offload_train,
+        keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype, offload_train=args.offload_train,
         recompute_granularity=args.recompute_granularity)
     rollout = _config(
-        RolloutConfig, n_samples=args.n_samples_per_prompt, seed=args.seed, temperature=args.rollout_temperature,
-        top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
+        RolloutConfig, at="rollout", n_samples=args.n_samples_per_prompt, seed=args.seed,
+        temperature=args.rollout_temperature, top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
         groups_per_shard=args.rollout_groups_per_shard, shards_per_call=args.rollout_shards_per_call,
         reward=reward_config(args))
     async_ = None
     if plan.is_async:
-        queue = args.rollout_queue_groups or AsyncConfig.default_queue_groups(plan, rollout.groups_per_shard)
-        async_ = _config(AsyncConfig, queue_groups=queue, worker_threads=worker_threads,
+        async_ = _config(AsyncConfig, at="async_", queue_groups=args.rollout_queue_groups,
                          rollout_devices=args.rollout_devices)
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = _config(
-        PromptsConfig,
+        PromptsConfig, at="prompts",
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=plan.prompts_per_stage,
         held_out=args.eval_prompts, seed=args.seed, data_dir=RunDir(save).data,
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
@@ -334,20 +330,18 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
         instruction=args.instruction, chat_template=args.apply_chat_template,
         max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
-    return _config(
-        RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
-        async_=async_, prompts=prompts, save=save,
-        tensorboard_dir=args.tensorboard_dir or str(RunDir(save).tensorboard), seed=args.seed,
+    run = _config(
+        RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
+        async_=async_, prompts=prompts, save=save, tensorboard_dir=args.tensorboard_dir, seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
-        cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
         save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
         keep_hf_exports=args.keep_hf_exports,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
-        evaluation=evaluation_config(args), tracker=tracker_config(args),
-        memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
-                              tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
-                              world=int(os.environ.get("WORLD_SIZE", "1")),
-                              gpu_memory_gib=args.gpu_memory_gib, for_gpu=device.is_cuda or args.bf16
-                              or args.transformer_impl == "transformer_engine"))
+        evaluation=evaluation_config(args), tracker=tracker_config(args))
+    # the memory plan reads the run's derived settings (offload, weight push, memory saver)
+    memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
+                     world=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory_gib=args.gpu_memory_gib,
+                     for_gpu=device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine")
+    return replace(run, memory=memory)

@@ -53,7 +53,7 @@ def eval_sets(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
 
 
 def evaluation_config(args: argparse.Namespace) -> EvalConfig:
-    return _config(EvalConfig, eval_interval=args.eval_interval,
+    return _config(EvalConfig, at="evaluation", eval_interval=args.eval_interval,
                    n_samples_per_eval_prompt=args.n_samples_per_eval_prompt, eval_temperature=args.eval_temperature,
                    eval_top_p=args.eval_top_p)
 
@@ -65,6 +65,6 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
         import wandb  # noqa: F401
     except ImportError:
         _error("--use-wandb", "wandb is not installed here: pip install wandb")
-    return _config(TrackerConfig, wandb=True, project=args.wandb_project, group=args.wandb_group,
+    return _config(TrackerConfig, at="tracker", wandb=True, project=args.wandb_project, group=args.wandb_group,
                    name=args.wandb_name, mode=args.wandb_mode,
                    dir=Path(args.wandb_dir) if args.wandb_dir else None)

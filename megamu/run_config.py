@@ -10,12 +10,11 @@ from functools import partial
 from pathlib import Path
 
 from megamu.algo import AlgoConfig
-from megamu.async_config import AsyncConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_choice, check_non_negative, check_positive
-from megamu.loop.heldout import EvalConfig
+from megamu.loop_config import AsyncConfig, EvalConfig
 from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig

@@ -11,11 +11,11 @@ import pytest
 
 from megamu.algo import algo_preset
 from megamu.arguments import build_parser, flag_of, parse_args
-from megamu.async_config import AsyncConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
+from megamu.loop_config import AsyncConfig
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import Plan, RunConfig

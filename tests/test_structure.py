@@ -44,6 +44,14 @@ def test_engines_and_rollout_never_import_the_trainer():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+def test_the_config_tree_needs_nothing_of_the_loop():
+    """The loop imports its configs (megamu.loop_config), never the other way round."""
+    config = ("megamu.run_config", "megamu.loop_config", "megamu.arguments")
+    bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.split(".")[:2] == ["megamu", "loop"])
+           for name, path in MODULES.items() if name.startswith(config)}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
 def test_algo_is_pure_torch():
     outside = {name: sorted(m for m in module_imports(path, top_level_only=False)
                             if not m.startswith(("megamu.algo", "megamu.errors")))
@@ -72,10 +80,10 @@ def test_no_import_cycle():
 
 
 def _bad_configs():
-    from megamu.async_config import AsyncConfig
     from megamu.data.stage_prompts import PromptsConfig
     from megamu.device import CPU
     from megamu.engines import EngineConfig, SGLangConfig
+    from megamu.loop_config import AsyncConfig
     from megamu.policy import PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig

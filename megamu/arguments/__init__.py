@@ -27,9 +27,9 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
-from megamu.async_config import AsyncConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
+from megamu.loop_config import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig

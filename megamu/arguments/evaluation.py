@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from megamu.arguments.engine import _config, _default, _error
-from megamu.loop.heldout import EvalConfig
+from megamu.loop_config import EvalConfig
 from megamu.tracking import WANDB_MODES, TrackerConfig
 
 

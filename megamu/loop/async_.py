@@ -24,7 +24,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from megamu import parallel
-from megamu.async_config import AsyncConfig
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import EngineConfig, build_engine
 from megamu.loop.async_worker import (
@@ -40,6 +39,7 @@ from megamu.loop.async_worker import (
 )
 from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
+from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger
 from megamu.records import RolloutSample
 from megamu.rollout import RolloutConfig

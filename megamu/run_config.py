@@ -1,9 +1,8 @@
-"""The run's records, made from the flags by megamu.arguments: its shape (``Plan``, printed by --dry-run) and
-everything a run is built from (``RunConfig``: one config per part plus the loop's own settings)."""
+"""Everything a run is built from (``RunConfig``: its plan, one config per part, the loop's own settings), made
+from the flags by megamu.arguments or in code alike. The plan's types live in megamu.plan."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from functools import partial
@@ -13,144 +12,20 @@ from megamu.algo import AlgoConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig
-from megamu.errors import ConfigError, build_at, check_choice, check_non_negative, check_positive
+from megamu.errors import ConfigError, build_at, check_non_negative, check_positive
 from megamu.loop_config import AsyncConfig, EvalConfig
 from megamu.memory_plan import MemoryPlanConfig, ModelShape
+from megamu.plan import (  # noqa: F401  (the names run_config had)
+    ROLLOUT_MODES,
+    AsyncPlan,
+    Plan,
+    StagedPlan,
+    stage_counts,
+)
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_dir import RunDir
 from megamu.tracking import TrackerConfig
-
-ROLLOUT_MODES = ("staged", "colocated", "async")
-
-
-def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, mu: int | None,
-                 num_stages: int | None, train_iters: int | None) -> tuple[int, int, int]:
-    """(num_stages, B_mini, μ) from any two of B_train, B_mini, μ (B_train = μ · B_mini) and at most one of
-    num_stages, train_iters (= num_stages · μ). None of them given: the CPU demo's 64 prompts per stage, 4 per update,
-    2 stages."""
-    b_train, b_mini = prompts_per_stage, prompts_per_update
-    for name, v in (("prompts_per_stage", b_train), ("prompts_per_update", b_mini), ("mu", mu),
-                    ("num_stages", num_stages), ("train_iters", train_iters)):
-        if v is not None and v <= 0:
-            raise ConfigError(name, f"must be a positive integer, got {v}")
-    given = sum(v is not None for v in (b_train, b_mini, mu))
-    if given == 0:
-        b_train, b_mini = 64, 4
-    elif given == 1 and b_mini is None:
-        b_mini = 4 if b_train is None else min(4, b_train)
-    elif given == 1:
-        mu = 16
-    if b_train is None:
-        b_train = mu * b_mini
-    elif b_mini is None:
-        if b_train % mu:
-            raise ConfigError("mu", f"prompts per stage {b_train} is not divisible by μ = {mu}")
-        b_mini = b_train // mu
-    if b_train % b_mini:
-        raise ConfigError("prompts_per_update", f"prompts per stage {b_train} is not a multiple of {b_mini}")
-    if mu is not None and mu * b_mini != b_train:
-        raise ConfigError("mu", f"μ = {mu} contradicts {b_train} prompts per stage / {b_mini} per update")
-    mu = b_train // b_mini
-    if train_iters is not None:
-        if train_iters % mu:
-            raise ConfigError("train_iters", f"{train_iters} is not a multiple of μ = {mu}")
-        if num_stages not in (None, train_iters // mu):
-            raise ConfigError("train_iters", f"{train_iters} contradicts {num_stages} stages x μ = {mu}")
-        num_stages = train_iters // mu
-    return (2 if num_stages is None else num_stages), b_mini, mu
-
-
-@dataclass
-class Plan:
-    """The run's shape (printed by --dry-run). Staged modes: ``num_stages`` stages of μ updates on B_train = μ · B_mini
-    prompts each. Async mode: ``train_iters`` updates on a stream, a weight push every N, samples older than K
-    dropped; it has no stages."""
-
-    prompts_per_update: int  # B_mini
-    n_samples_per_prompt: int  # G
-    max_response_len: int
-    algorithm: str
-    rollout_mode: str
-    num_stages: int | None = None  # staged modes
-    mu: int | None = None  # staged modes
-    train_iters: int | None = None  # async mode
-    weight_sync_interval: int | None = None  # async mode: N (staged modes push once per stage)
-    max_policy_lag: int | None = None  # async mode: K
-
-    def __post_init__(self):
-        check_choice(self, "rollout_mode", ROLLOUT_MODES)
-        check_positive(self, "prompts_per_update", "n_samples_per_prompt", "max_response_len", "num_stages", "mu",
-                       "train_iters", "weight_sync_interval", "max_policy_lag")
-        staged, stream = ("num_stages", "mu"), ("train_iters", "weight_sync_interval", "max_policy_lag")
-        need, refuse = (stream, staged) if self.is_async else (staged, stream)
-        for name in need:
-            if getattr(self, name) is None:
-                raise ConfigError(name, f"required in {self.rollout_mode} mode")
-        for name in refuse:
-            if getattr(self, name) is not None:
-                raise ConfigError(name, f"has no meaning in {self.rollout_mode} mode")
-        if self.is_async and self.max_policy_lag < self.weight_sync_interval:
-            raise ConfigError("max_policy_lag", f"{self.max_policy_lag} is below the weight sync interval "
-                              f"{self.weight_sync_interval}: between syncs the engine's weights fall that far behind, "
-                              "so every sample would be dropped")
-
-    @property
-    def is_async(self) -> bool:
-        return self.rollout_mode == "async"
-
-    @property
-    def total_updates(self) -> int:
-        return self.train_iters if self.is_async else self.num_stages * self.mu
-
-    @property
-    def prompts_per_stage(self) -> int | None:
-        """B_train (staged modes)."""
-        return None if self.is_async else self.mu * self.prompts_per_update
-
-    @property
-    def weight_syncs(self) -> int:
-        """One per stage; async: one every N updates, none after the last."""
-        return (self.train_iters - 1) // self.weight_sync_interval if self.is_async else self.num_stages
-
-    def summary(self) -> dict:
-        """Every count the plan implies. Async samples are those trained on (the engine also generates the groups it
-        drops and those left in the queue at the end)."""
-        common = {"prompts_per_update": self.prompts_per_update, "n_samples_per_prompt": self.n_samples_per_prompt,
-                  "max_response_len": self.max_response_len, "algorithm": self.algorithm,
-                  "rollout_mode": self.rollout_mode, "total_updates": self.total_updates,
-                  "total_samples": self.total_updates * self.prompts_per_update * self.n_samples_per_prompt,
-                  "weight_syncs": self.weight_syncs}
-        if self.is_async:
-            return {**common, "train_iters": self.train_iters, "weight_sync_interval": self.weight_sync_interval,
-                    "max_policy_lag": self.max_policy_lag}
-        samples = self.prompts_per_stage * self.n_samples_per_prompt
-        return {**common, "num_stages": self.num_stages, "mu": self.mu, "updates_per_stage": self.mu,
-                "prompts_per_stage": self.prompts_per_stage, "samples_per_stage": samples,
-                "max_tokens_per_stage": samples * self.max_response_len}
-
-    def describe(self, algo: AlgoConfig, precision: str, device: str = "") -> str:
-        d = self.summary()
-        if self.is_async:
-            shape = [("total updates", d["total_updates"]), ("B_mini (prompts per update)", d["prompts_per_update"]),
-                     ("G (samples per prompt)", d["n_samples_per_prompt"]), ("samples trained on", d["total_samples"]),
-                     ("weight sync interval N", d["weight_sync_interval"]), ("weight syncs", d["weight_syncs"]),
-                     ("max policy lag K", d["max_policy_lag"])]
-        else:
-            shape = [("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
-                     ("B_train (prompts per stage)", d["prompts_per_stage"]),
-                     ("B_mini (prompts per update)", d["prompts_per_update"]),
-                     ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
-                     ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
-                     ("max response tokens per stage", d["max_tokens_per_stage"]),
-                     ("weight syncs", d["weight_syncs"])]
-        rows = shape + [("rollout mode", d["rollout_mode"]), ("training precision", precision),
-                        ("algorithm", f"{d['algorithm']} {algo.describe()}")] + ([("device", device)] if device else [])
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-    def json_line(self) -> str:
-        return "plan: " + json.dumps(self.summary())
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from megamu.device import Device
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.loop_config import AsyncConfig
+from megamu.plan import AsyncPlan, StagedPlan
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import Plan, RunConfig
+from megamu.run_config import RunConfig
 from megamu.run_dir import RunDir
 from megamu.training.optimizer import OptimizerConfig
 
@@ -40,11 +41,11 @@ def in_code(save: Path, mode: str, engine: str, device: str, *, policy: dict | N
     """The run of ``flags(...)`` written out in code, every setting that follows from the mode and the device left
     at its dataclass default (unless given)."""
     if mode == "async":
-        plan = Plan(prompts_per_update=B_MINI, n_samples_per_prompt=G, max_response_len=RESPONSE,
-                    algorithm="mu-grpo", rollout_mode=mode, train_iters=8, weight_sync_interval=2, max_policy_lag=4)
+        plan = AsyncPlan(prompts_per_update=B_MINI, n_samples_per_prompt=G, max_response_len=RESPONSE,
+                         algorithm="mu-grpo", train_iters=8, weight_sync_interval=2, max_policy_lag=4)
     else:
-        plan = Plan(prompts_per_update=B_MINI, n_samples_per_prompt=G, max_response_len=RESPONSE,
-                    algorithm="mu-grpo", rollout_mode=mode, num_stages=2, mu=2)
+        plan = StagedPlan(prompts_per_update=B_MINI, n_samples_per_prompt=G, max_response_len=RESPONSE,
+                          algorithm="mu-grpo", rollout_mode=mode, num_stages=2, mu=2)
     updates = 8 if mode == "async" else 4
     return RunConfig(
         plan=plan, algo=algo_preset("mu-grpo"), device=Device(device),
@@ -152,3 +153,17 @@ def test_every_mapped_flag_exists():
 
     known = {s for a in build_parser()._actions for s in a.option_strings}
     assert {f.split()[0] for f in FLAG_OF_PATH.values()} - known == set()
+
+
+def test_typed_plans_count_their_own_shape():
+    staged = StagedPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
+                        rollout_mode="colocated", num_stages=3, mu=5)
+    assert (staged.total_updates, staged.prompts_per_stage, staged.weight_syncs, staged.is_async) == (15, 20, 3, False)
+    assert staged.summary()["max_tokens_per_stage"] == 20 * 8 * 64
+    stream = AsyncPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
+                       train_iters=9, weight_sync_interval=4, max_policy_lag=8)
+    assert (stream.total_updates, stream.weight_syncs, stream.mu, stream.num_stages) == (9, 2, None, None)
+    assert (stream.rollout_mode, stream.is_async, stream.summary()["total_samples"]) == ("async", True, 9 * 4 * 8)
+    with pytest.raises(TypeError):  # a stage count has no place in an async plan
+        AsyncPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
+                  train_iters=9, weight_sync_interval=4, max_policy_lag=8, num_stages=2)

@@ -84,10 +84,10 @@ def _bad_configs():
     from megamu.device import CPU
     from megamu.engines import EngineConfig, SGLangConfig
     from megamu.loop_config import AsyncConfig
+    from megamu.plan import AsyncPlan, StagedPlan
     from megamu.policy import PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig
-    from megamu.run_config import Plan
     from megamu.training.optimizer import OptimizerConfig
 
     opt = OptimizerConfig()
@@ -96,6 +96,8 @@ def _bad_configs():
     prompts = dict(files=("a.jsonl",), prompts_per_stage=4, held_out=0, seed=0, data_dir=Path("d"))
     plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
                 rollout_mode="staged", num_stages=2, mu=4)
+    async_plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
+                      train_iters=8, weight_sync_interval=4, max_policy_lag=8)
     return [
         (OptimizerConfig, {"lr": 0.0}, "lr"), (OptimizerConfig, {"adam_beta2": 1.0}, "adam_beta2"),
         (PolicyConfig, {**policy, "micro_batch_size": 0}, "micro_batch_size"),
@@ -106,10 +108,10 @@ def _bad_configs():
         (SGLangConfig, {"weight_sync": "nfs"}, "weight_sync"), (SGLangConfig, {"tp_size": 0}, "tp_size"),
         (AsyncConfig, {"queue_groups": 0}, "queue_groups"),
         (RewardConfig, {"timeout_s": 0.0}, "timeout_s"),
-        (Plan, {**plan, "rollout_mode": "sync"}, "rollout_mode"),
-        (Plan, {**plan, "train_iters": 8}, "train_iters"),  # async-only
-        (Plan, {**plan, "rollout_mode": "async", "num_stages": None, "mu": None, "train_iters": 8,
-                "weight_sync_interval": 4, "max_policy_lag": 2}, "max_policy_lag"),
+        (StagedPlan, {**plan, "rollout_mode": "async"}, "rollout_mode"),  # async runs have an AsyncPlan
+        (StagedPlan, {**plan, "mu": 0}, "mu"),
+        (AsyncPlan, {**async_plan, "max_policy_lag": 2}, "max_policy_lag"),
+        (AsyncPlan, {**async_plan, "train_iters": 0}, "train_iters"),
     ]
 
 

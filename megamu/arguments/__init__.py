@@ -31,9 +31,10 @@ from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.loop_config import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
+from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
 from megamu.policy import PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
+from megamu.run_config import RunConfig, memory_plan_of
 from megamu.run_dir import RunDir
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import LR_DECAY_STYLES, OptimizerConfig
@@ -196,15 +197,19 @@ def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
                                           "and --prompts-per-update")
-        return _config(Plan, at="plan", prompts_per_update=args.prompts_per_update or 4,
+        for flag, value in (("--num-stages", args.num_stages), ("--mu", args.mu)):
+            if value is not None:
+                _error(flag, "has no meaning in async mode")
+        if args.train_iters is None:
+            _error("--train-iters", "required in async mode")
+        return _config(AsyncPlan, at="plan", prompts_per_update=args.prompts_per_update or 4,
                        n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
-                       algorithm=algorithm, rollout_mode=args.rollout_mode, num_stages=args.num_stages, mu=args.mu,
-                       train_iters=args.train_iters, weight_sync_interval=args.weight_sync_interval,
-                       max_policy_lag=args.max_policy_lag)
+                       algorithm=algorithm, train_iters=args.train_iters,
+                       weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
     num_stages, b_mini, mu = _config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
                                      prompts_per_update=args.prompts_per_update, mu=args.mu,
                                      num_stages=args.num_stages, train_iters=args.train_iters)
-    return _config(Plan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
+    return _config(StagedPlan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
                    max_response_len=args.rollout_max_response_len, algorithm=algorithm,
                    rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
 

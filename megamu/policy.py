@@ -28,12 +28,31 @@ from megamu.weights import LogprobProbe, Weights
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run's checkpoints and HF exports go, how often and how many stay; where a new run starts from."""
+
+    save: Path  # the run directory: checkpoints (iter_N folders), hf/iter_N exports
+    load: Path | None = None  # a new run's start point (an earlier run's checkpoint); restarts resume from save
+    pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load
+    save_interval: int = 0  # updates between checkpoints (0: stage ends only)
+    keep: int = 2  # newest checkpoints kept under save (0: all)
+    hf_export_interval: int = 0  # updates between hf/iter_N exports (0: none)
+    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all; None: as many as checkpoints)
+
+    def __post_init__(self):
+        check_non_negative(self, "save_interval", "keep", "hf_export_interval", "keep_hf_exports")
+
+    @property
+    def hf_exports_kept(self) -> int:
+        return self.keep if self.keep_hf_exports is None else self.keep_hf_exports
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     hf_checkpoint: str | None  # initial weights (None: the demo model)
     device: Device
     optimizer: OptimizerConfig
-    save_dir: Path  # checkpoints (iter_N folders)
-    load_dir: Path | None  # a new run's start point (an earlier run's checkpoint); restarts resume from save_dir
+    checkpoint: CheckpointConfig
     offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
     transformer_impl: str | None = None  # None: the device's default
     bf16: bool = False
@@ -41,17 +60,14 @@ class PolicyConfig:
     max_tokens_per_micro_batch: int | None = None
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
     skip_zero_advantage: bool = True
-    keep_checkpoints: int = 2  # newest checkpoints kept under save_dir (0: all)
     export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
     # Gradients and optimiser state (GPU: also weights) leave the device during rollouts. None: a run's RunConfig
     # sets it by mode (on where the engine takes turns with the trainer for the device); a policy on its own: off.
     offload_train: bool | None = None
     recompute_granularity: str | None = None  # "full" | "selective"
-    pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load_dir
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
-        check_non_negative(self, "keep_checkpoints")
         if not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         for name, choices in (("export_dtype", DTYPES), ("recompute_granularity", ("full", "selective")),
@@ -104,17 +120,18 @@ class Policy:
 
         After building the optimiser: the bf16 optimiser's fp32 main weights are refreshed from the loaded model."""
         self.resumed = False
-        for folder in (self.cfg.save_dir, self.cfg.load_dir):
+        for folder in (self.cfg.checkpoint.save, self.cfg.checkpoint.load):
             if folder is None or not Path(folder).exists():
                 continue
             extra = load_checkpoint(folder, self.model, self.arch, self.optimizer)
             if extra is not None:
                 self.loaded_from = Path(folder)
-                self.resumed = folder == self.cfg.save_dir and extra.get("run_state", True)
+                self.resumed = folder == self.cfg.checkpoint.save and extra.get("run_state", True)
                 return extra if extra.get("run_state", True) else None
-        if self.cfg.pretrained_checkpoint is not None:  # weights only: Megatron-LM's --finetune start
-            load_model_checkpoint(self.cfg.pretrained_checkpoint, self.model)
-            self.loaded_from = Path(self.cfg.pretrained_checkpoint)
+        pretrained = self.cfg.checkpoint.pretrained_checkpoint
+        if pretrained is not None:  # weights only: Megatron-LM's --finetune start
+            load_model_checkpoint(pretrained, self.model)
+            self.loaded_from = Path(pretrained)
             return None
         load_hf_into_model(self.model, self.arch, self.hf_source)
         self.loaded_from = self.hf_source
@@ -150,8 +167,8 @@ class Policy:
         return anchors
 
     def save(self, iteration: int, extra: dict) -> None:
-        save_checkpoint(self.cfg.save_dir, iteration, self.model, self.arch, self.optimizer, extra=extra,
-                        keep=self.cfg.keep_checkpoints)
+        save_checkpoint(self.cfg.checkpoint.save, iteration, self.model, self.arch, self.optimizer, extra=extra,
+                        keep=self.cfg.checkpoint.keep)
 
     def export(self, out: Path) -> Path:
         """The weights as an HF folder ``out`` (atomic; a finished folder of the same name is reused)."""

@@ -12,7 +12,7 @@ from megamu.algo import AlgoConfig
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig
-from megamu.errors import ConfigError, build_at, check_non_negative, check_positive
+from megamu.errors import ConfigError, build_at, check_positive
 from megamu.loop_config import AsyncConfig, EvalConfig
 from megamu.memory_plan import MemoryPlanConfig, ModelShape
 from megamu.plan import (  # noqa: F401  (the names run_config had)
@@ -42,7 +42,6 @@ class RunConfig:
     engine: EngineConfig
     rollout: RolloutConfig
     prompts: PromptsConfig
-    save: Path
     seed: int
     tensorboard_dir: str | None = None  # derived: <save>/tensorboard
     tensor_model_parallel_size: int = 1
@@ -50,9 +49,6 @@ class RunConfig:
     distributed_timeout_minutes: float | None = None
     cpu_threads: int | None = None  # derived, CPU async mode: the trainer's torch threads (the engine has the rest)
     log_interval: int = 1
-    save_interval: int = 0
-    hf_export_interval: int = 0
-    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all); derived: keep_checkpoints
     recompute_behaviour_logprobs: bool = False
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = False
@@ -70,7 +66,6 @@ class RunConfig:
             # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
             raise ConfigError("expert_model_parallel_size", f"{self.expert_model_parallel_size}: megatron-core runs "
                               "expert parallelism on CUDA only")
-        check_non_negative(self, "save_interval", "hf_export_interval", "keep_hf_exports")
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
         if self.engine.kind == "sglang" and self.engine.sglang.weight_sync == "memory" \
@@ -109,8 +104,6 @@ class RunConfig:
             sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", device.backend)
         dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
         set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))
-        if self.keep_hf_exports is None:
-            set_("keep_hf_exports", self.policy.keep_checkpoints)
         if self.async_ is not None:
             a = self.async_
             # CPU: the engine process and the trainer split the cores (each thread count set, so neither spins)
@@ -119,6 +112,23 @@ class RunConfig:
             set_("async_", build_at("async_", replace, a, queue_groups=queue, worker_threads=threads))
             if self.cpu_threads is None and not device.is_cuda:
                 set_("cpu_threads", max(1, (os.cpu_count() or 2) - threads))
+
+    # The checkpoint settings the loops read, one CheckpointConfig (policy.checkpoint) in the tree.
+    @property
+    def save(self) -> Path:
+        return self.policy.checkpoint.save
+
+    @property
+    def save_interval(self) -> int:
+        return self.policy.checkpoint.save_interval
+
+    @property
+    def hf_export_interval(self) -> int:
+        return self.policy.checkpoint.hf_export_interval
+
+    @property
+    def keep_hf_exports(self) -> int:
+        return self.policy.checkpoint.hf_exports_kept
 
     def describe(self) -> str:
         precision = "bf16" if self.policy.bf16 else "fp32"

@@ -17,7 +17,7 @@ from megamu.engines import EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.loop_config import AsyncConfig
 from megamu.plan import AsyncPlan, StagedPlan
-from megamu.policy import PolicyConfig
+from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import RunConfig
 from megamu.run_dir import RunDir
@@ -37,7 +37,8 @@ def flags(save: Path, mode: str, engine: str, *extra: str) -> list[str]:
 
 
 def in_code(save: Path, mode: str, engine: str, device: str, *, policy: dict | None = None,
-            sglang: dict | None = None, async_: dict | None = None, **run) -> RunConfig:
+            sglang: dict | None = None, async_: dict | None = None, checkpoint: dict | None = None,
+            **run) -> RunConfig:
     """The run of ``flags(...)`` written out in code, every setting that follows from the mode and the device left
     at its dataclass default (unless given)."""
     if mode == "async":
@@ -50,13 +51,14 @@ def in_code(save: Path, mode: str, engine: str, device: str, *, policy: dict | N
     return RunConfig(
         plan=plan, algo=algo_preset("mu-grpo"), device=Device(device),
         policy=PolicyConfig(hf_checkpoint=None, device=Device(device), optimizer=OptimizerConfig(
-            lr_decay_iters=updates), save_dir=save, load_dir=None, offload_dir=RunDir(save).offload, **(policy or {})),
+            lr_decay_iters=updates), checkpoint=CheckpointConfig(save=save, **(checkpoint or {})),
+            offload_dir=RunDir(save).offload, **(policy or {})),
         engine=EngineConfig(kind=engine, sglang=SGLangConfig(urls=[URL], **(sglang or {})) if engine == "sglang"
                             else SGLangConfig()),
         rollout=RolloutConfig(n_samples=G, max_new_tokens=RESPONSE),
         prompts=PromptsConfig(files=(), prompts_per_stage=None if mode == "async" else 8, held_out=100,
                               seed=1234, data_dir=RunDir(save).data, builtin_rows=200, max_response_len=RESPONSE),
-        save=save, seed=1234, async_=AsyncConfig(**(async_ or {})) if mode == "async" else None, **run)
+        seed=1234, async_=AsyncConfig(**(async_ or {})) if mode == "async" else None, **run)
 
 
 @pytest.mark.parametrize("mode, engine, device", CASES)
@@ -69,7 +71,8 @@ def test_a_config_built_in_code_equals_the_one_built_from_flags(tmp_path, mode, 
 def test_explicit_values_win_over_the_derived_ones_alike(tmp_path, mode, engine, device):
     save = tmp_path / "run"
     extra = ["--offload-train", "--keep-hf-exports", "0", "--rollout-dtype", "float32", "--bf16"]
-    kw: dict = dict(policy=dict(offload_train=True, bf16=True), keep_hf_exports=0, dry_run=True)
+    kw: dict = dict(policy=dict(offload_train=True, bf16=True), checkpoint=dict(keep_hf_exports=0),
+                    dry_run=True)
     if engine == "sglang":
         extra += ["--weight-sync", "disk", "--no-sglang-memory-saver", "--weight-sync-address", "10.0.0.1"]
         kw["sglang"] = dict(weight_sync="disk", memory_saver=False, sync_master_address="10.0.0.1")
@@ -89,7 +92,7 @@ def test_what_follows_from_the_mode_and_the_device(tmp_path, mode, engine, devic
     cfg = in_code(tmp_path / "run", mode, engine, device)
     colocated, gpu = mode == "colocated", device == "cuda"
     assert cfg.policy.offload_train is (mode != "async")  # the engine takes turns with the trainer for the device
-    assert cfg.keep_hf_exports == cfg.policy.keep_checkpoints == 2
+    assert cfg.keep_hf_exports == cfg.policy.checkpoint.keep == 2
     assert cfg.engine.dtype == "float32" and cfg.tensorboard_dir == str(tmp_path / "run" / "tensorboard")
     sg = cfg.engine.sglang
     if engine == "sglang":

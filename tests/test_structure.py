@@ -85,13 +85,13 @@ def _bad_configs():
     from megamu.engines import EngineConfig, SGLangConfig
     from megamu.loop_config import AsyncConfig
     from megamu.plan import AsyncPlan, StagedPlan
-    from megamu.policy import PolicyConfig
+    from megamu.policy import CheckpointConfig, PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig
     from megamu.training.optimizer import OptimizerConfig
 
     opt = OptimizerConfig()
-    policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, save_dir=Path("r"), load_dir=Path("r"),
+    policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, checkpoint=CheckpointConfig(save=Path("r")),
                   offload_dir=Path("r/offload"))
     prompts = dict(files=("a.jsonl",), prompts_per_stage=4, held_out=0, seed=0, data_dir=Path("d"))
     plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
@@ -102,6 +102,7 @@ def _bad_configs():
         (OptimizerConfig, {"lr": 0.0}, "lr"), (OptimizerConfig, {"adam_beta2": 1.0}, "adam_beta2"),
         (PolicyConfig, {**policy, "micro_batch_size": 0}, "micro_batch_size"),
         (PolicyConfig, {**policy, "export_dtype": "int8"}, "export_dtype"),
+        (CheckpointConfig, {"save": Path("r"), "keep_hf_exports": -1}, "keep_hf_exports"),
         (PromptsConfig, {**prompts, "prompts_per_stage": -1}, "prompts_per_stage"),
         (RolloutConfig, {"n_samples": 1}, "n_samples"), (RolloutConfig, {"top_p": 0.0}, "top_p"),
         (EngineConfig, {"kind": "vllm"}, "kind"), (EngineConfig, {"max_batch_size": 0}, "max_batch_size"),

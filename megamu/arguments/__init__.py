@@ -32,7 +32,7 @@ from megamu.device import Device
 from megamu.loop_config import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
-from megamu.policy import PolicyConfig
+from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_config import RunConfig, memory_plan_of
 from megamu.run_dir import RunDir
@@ -87,11 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pretrained-checkpoint", "--ref-load", dest="pretrained_checkpoint", default=None,
                    help="a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's "
                         "--ref-load): weights only, update 0; --load and --save's checkpoints come first")
-    g.add_argument("--save-interval", type=int, default=_default(RunConfig, "save_interval"),
+    g.add_argument("--save-interval", type=int, default=_default(CheckpointConfig, "save_interval"),
                    help="updates between checkpoints (0: stage ends only)")
-    g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
+    g.add_argument("--hf-export-interval", type=int, default=_default(CheckpointConfig, "hf_export_interval"),
                    help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
-    g.add_argument("--keep-checkpoints", type=int, default=_default(PolicyConfig, "keep_checkpoints"),
+    g.add_argument("--keep-checkpoints", type=int, default=_default(CheckpointConfig, "keep"),
                    help="checkpoints kept under --save, newest first (0: all)")
     g.add_argument("--keep-hf-exports", type=int, default=None,
                    help="--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)")
@@ -307,12 +307,16 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     save = Path(args.save)
     policy = _config(
         PolicyConfig, at="policy", hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer,
-        save_dir=save, load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
-        pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
+        checkpoint=_config(
+            CheckpointConfig, at="policy.checkpoint", save=save, load=Path(args.load) if args.load else None,
+            pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
+            save_interval=args.save_interval, keep=args.keep_checkpoints, hf_export_interval=args.hf_export_interval,
+            keep_hf_exports=args.keep_hf_exports),
+        offload_dir=RunDir(save).offload,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
         micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
-        keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype, offload_train=args.offload_train,
+        export_dtype=args.export_dtype, offload_train=args.offload_train,
         recompute_granularity=args.recompute_granularity)
     rollout = _config(
         RolloutConfig, at="rollout", n_samples=args.n_samples_per_prompt, seed=args.seed,
@@ -337,12 +341,10 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
     run = _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
-        async_=async_, prompts=prompts, save=save, tensorboard_dir=args.tensorboard_dir, seed=args.seed,
+        async_=async_, prompts=prompts, tensorboard_dir=args.tensorboard_dir, seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
-        save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
-        keep_hf_exports=args.keep_hf_exports,
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
         evaluation=evaluation_config(args), tracker=tracker_config(args))
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)

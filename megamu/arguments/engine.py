@@ -29,7 +29,7 @@ FLAG_OF_PATH = {
     "plan.max_response_len": "--rollout-max-response-len",
     "algo.name": "--algorithm", "algo.veto_threshold": "--nav-threshold", "algo.veto_scope": "--nav-scope",
     "algo.aggregation": "--loss-aggregation",
-    "policy.temperature": "--rollout-temperature", "policy.save_dir": "--save", "policy.load_dir": "--load",
+    "policy.temperature": "--rollout-temperature", "policy.checkpoint.keep": "--keep-checkpoints",
     "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
     "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
     "rollout.n_samples": "--n-samples-per-prompt", "rollout.temperature": "--rollout-temperature",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamu.config_fields import flag
 from megamu.errors import ConfigError, check_non_negative, check_positive
 
 
@@ -33,12 +34,16 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Field names are the flags' (--eval-interval, ...), so a ConfigError names the flag."""
+    """When and how the policy is evaluated during a run (megamu.loop.heldout)."""
 
-    eval_interval: int = 0  # updates between evaluations; 0: before the first update and after the last only
-    n_samples_per_eval_prompt: int = 0  # k sampled replies per problem for pass@1 (0: greedy only)
-    eval_temperature: float = 1.0
-    eval_top_p: float = 1.0
+    eval_interval: int = flag("--eval-interval", default=0, type=int, help=(
+        "updates between evaluations, a multiple of μ: they run on the engine at a stage's start, where it holds the "
+        "policy (0: before the first update and after the last only)"))
+    n_samples_per_eval_prompt: int = flag("--n-samples-per-eval-prompt", default=0, type=int, help=(
+        "k sampled replies per problem: sampled pass@1 (mean over k, the paper's avg@k) and pass@k beside greedy "
+        "accuracy (0: greedy only)"))
+    eval_temperature: float = flag("--eval-temperature", default=1.0, type=float)
+    eval_top_p: float = flag("--eval-top-p", default=1.0, type=float)
 
     def __post_init__(self):
         check_non_negative(self, "eval_interval", "n_samples_per_eval_prompt")

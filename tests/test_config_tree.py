@@ -131,6 +131,9 @@ def test_an_error_inside_the_tree_carries_its_dotted_path(tmp_path):
     ("plan.max_response_len", "--rollout-max-response-len"), ("prompts.max_response_len", "--rollout-max-response-len"),
     ("memory.max_response_len", "--max-response-len"),  # the memory plan's copy: set by no flag of its own
     ("rollout.reward.timeout_s", "--code-timeout"), ("engine.sglang.url_timeout_s", "--sglang-url-timeout"),
+    ("tracker.mode", "--wandb-mode"), ("tracker.wandb", "--use-wandb"),  # carried by the fields (generated parts)
+    ("algo.veto_scope", "--nav-scope"), ("algo.aggregation", "--loss-aggregation"), ("algo.name", "--algorithm"),
+    ("evaluation.n_samples_per_eval_prompt", "--n-samples-per-eval-prompt"),
 ])
 def test_fields_of_one_name_map_to_their_own_flags(path, flag):
     assert flag_of(path) == flag
@@ -144,6 +147,8 @@ def test_fields_of_one_name_map_to_their_own_flags(path, flag):
     (["--rollout-max-response-len", "0"], "--rollout-max-response-len: must be a positive integer"),
     (["--rollout-engine", "sglang", "--sglang-url", URL, "--weight-sync", "memory"],
      "--weight-sync: memory needs --rollout-mode colocated"),
+    (["--nav-threshold", "2"], "--nav-threshold: must be in (0, 1)"),
+    (["--keep-hf-exports", "-1"], "--keep-hf-exports: must be >= 0"),
 ])
 def test_a_config_error_names_the_flag_of_its_field(tmp_path, bad, message):
     with pytest.raises(SystemExit) as e:
@@ -170,3 +175,19 @@ def test_typed_plans_count_their_own_shape():
     with pytest.raises(TypeError):  # a stage count has no place in an async plan
         AsyncPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
                   train_iters=9, weight_sync_interval=4, max_policy_lag=8, num_stages=2)
+
+
+def test_generated_flags_default_to_their_fields():
+    """A part whose fields carry their flags gets them from the tree: each flag's default is the field's (AlgoConfig's
+    are None, "the preset's"), and the values read back build the part's defaults."""
+    from megamu.algo import AlgoConfig
+    from megamu.arguments.generated import ALGO_FLAGS, field_values
+    from megamu.loop_config import EvalConfig
+    from megamu.tracking import TrackerConfig
+
+    args = build_parser().parse_args([])
+    assert EvalConfig(**field_values(EvalConfig, args)) == EvalConfig()
+    assert TrackerConfig(**field_values(TrackerConfig, args)) == TrackerConfig()
+    assert field_values(AlgoConfig, args, attached=ALGO_FLAGS) == dict.fromkeys(ALGO_FLAGS)
+    given = build_parser().parse_args(["--eval-top-p", "0.5", "--wandb-dir", "w", "--nav-scope", "suffix"])
+    assert (given.eval_top_p, given.wandb_dir, given.nav_scope) == (0.5, Path("w"), "suffix")

@@ -11,7 +11,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
     _config,
@@ -26,6 +26,7 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     reward_config,
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
+from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
@@ -133,12 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
     g.add_argument("--n-samples-per-prompt", type=int, default=_default(RolloutConfig, "n_samples"), help="G")
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
-    g.add_argument("--clip-low", type=float, default=None)
-    g.add_argument("--clip-high", type=float, default=None)
-    g.add_argument("--nav-threshold", type=float, default=None, help="τ of the negative-advantage veto")
-    g.add_argument("--nav-scope", choices=VETO_SCOPES, default=None)
-    g.add_argument("--m2po-threshold", type=float, default=None)
-    g.add_argument("--loss-aggregation", choices=AGGREGATIONS, default=None)
+    add_fields(g, AlgoConfig, attached=ALGO_FLAGS, choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
     g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction,
                    default=_default(PolicyConfig, "skip_zero_advantage"),
@@ -296,9 +292,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     config = hf_config(args)
     plan = plan_of(args, args.algorithm)
     check_megatron_arguments(args, plan.prompts_per_update)
-    algo = _config(algo_preset(args.algorithm).with_overrides, at="algo", clip_low=args.clip_low,
-                   clip_high=args.clip_high, veto_threshold=args.nav_threshold, veto_scope=args.nav_scope,
-                   m2po_threshold=args.m2po_threshold, aggregation=args.loss_aggregation)
+    algo = _config(algo_preset(args.algorithm).with_overrides, at="algo",
+                   **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
     optimizer = _config(OptimizerConfig, at="policy.optimizer", lr=args.lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                         clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,

@@ -10,10 +10,12 @@ import dataclasses
 import shlex
 from dataclasses import replace
 
+from megamu.arguments.generated import field_flag
 from megamu.device import CPU, Device
 from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
+from megamu.run_config import RunConfig
 
 
 def _default(config, name: str):
@@ -22,13 +24,13 @@ def _default(config, name: str):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-# The flag of each config field (a dotted path in RunConfig's tree) whose flag is not "--" + its own name with dashes.
+# The flag of each config field (a dotted path in RunConfig's tree) whose flag is not "--" + its own name with dashes,
+# for the parts whose flags are still written out in this package (a generated part's fields carry their flags).
 FLAG_OF_PATH = {
     "async_": "--rollout-mode", "async_.queue_groups": "--rollout-queue-groups",
     "recompute_behaviour_logprobs": "--behaviour-logprobs",
     "plan.max_response_len": "--rollout-max-response-len",
-    "algo.name": "--algorithm", "algo.veto_threshold": "--nav-threshold", "algo.veto_scope": "--nav-scope",
-    "algo.aggregation": "--loss-aggregation",
+    "algo.name": "--algorithm",
     "policy.temperature": "--rollout-temperature", "policy.checkpoint.keep": "--keep-checkpoints",
     "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
     "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
@@ -41,8 +43,6 @@ FLAG_OF_PATH = {
     "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data", "prompts.held_out": "--eval-prompts",
     "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
     "prompts.chat_template": "--apply-chat-template", "prompts.eval_sets": "--eval-prompt-data",
-    "tracker.wandb": "--use-wandb", "tracker.project": "--wandb-project", "tracker.group": "--wandb-group",
-    "tracker.name": "--wandb-name", "tracker.mode": "--wandb-mode", "tracker.dir": "--wandb-dir",
     "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
     "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
     "memory.server_tp": "--sglang-tp-size",
@@ -60,8 +60,9 @@ FLAG_OF_PATH = {
 
 
 def flag_of(path: str) -> str:
-    """The flag that sets the config field at dotted ``path``: listed in FLAG_OF_PATH, else named as the field."""
-    return FLAG_OF_PATH.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
+    """The flag that sets the config field at dotted ``path`` of RunConfig: the one the field carries (generated
+    parts), else the one FLAG_OF_PATH lists (parts whose flags are still written out here), else the field's name."""
+    return field_flag(RunConfig, path) or FLAG_OF_PATH.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
 
 
 def _error(flag: str, message: str):

@@ -13,6 +13,7 @@ import torch
 from megamu import parallel
 from megamu.algo import AlgoConfig
 from megamu.atomic import atomic_write
+from megamu.config_fields import flag
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
@@ -56,8 +57,9 @@ class PolicyConfig:
     offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
     transformer_impl: str | None = None  # None: the device's default
     bf16: bool = False
-    micro_batch_size: int = 8
-    max_tokens_per_micro_batch: int | None = None
+    micro_batch_size: int = flag("--micro-batch-size", default=8, type=int, help="samples per micro-batch")
+    max_tokens_per_micro_batch: int | None = flag("--max-tokens-per-micro-batch", default=None, type=int,
+                                                  help="token budget of a micro-batch")
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
     skip_zero_advantage: bool = True
     export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's

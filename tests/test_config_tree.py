@@ -188,6 +188,7 @@ def test_generated_flags_default_to_their_fields():
     args = build_parser().parse_args([])
     assert EvalConfig(**field_values(EvalConfig, args)) == EvalConfig()
     assert TrackerConfig(**field_values(TrackerConfig, args)) == TrackerConfig()
+    assert OptimizerConfig(**field_values(OptimizerConfig, args)) == OptimizerConfig()
     assert field_values(AlgoConfig, args, attached=ALGO_FLAGS) == dict.fromkeys(ALGO_FLAGS)
     given = build_parser().parse_args(["--eval-top-p", "0.5", "--wandb-dir", "w", "--nav-scope", "suffix"])
     assert (given.eval_top_p, given.wandb_dir, given.nav_scope) == (0.5, Path("w"), "suffix")

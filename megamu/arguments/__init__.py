@@ -38,7 +38,7 @@ from megamu.rollout import RolloutConfig
 from megamu.run_config import RunConfig, memory_plan_of
 from megamu.run_dir import RunDir
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
-from megamu.training.optimizer import LR_DECAY_STYLES, OptimizerConfig
+from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
@@ -63,22 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recomputation in the backward (less memory, ~1/3 more compute for full)")
 
     g = p.add_argument_group("optimiser (Megatron names)")
-    g.add_argument("--lr", type=float, default=_default(OptimizerConfig, "lr"))
-    g.add_argument("--lr-warmup-iters", type=int, default=_default(OptimizerConfig, "lr_warmup_iters"))
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=_default(OptimizerConfig, "lr_decay_style"))
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: the run's updates")
-    g.add_argument("--min-lr", type=float, default=_default(OptimizerConfig, "min_lr"),
-                   help="the lr a linear or cosine decay ends at")
-    g.add_argument("--weight-decay", type=float, default=_default(OptimizerConfig, "weight_decay"))
-    g.add_argument("--adam-beta1", type=float, default=_default(OptimizerConfig, "adam_beta1"))
-    g.add_argument("--adam-beta2", type=float, default=_default(OptimizerConfig, "adam_beta2"))
-    g.add_argument("--adam-eps", type=float, default=_default(OptimizerConfig, "adam_eps"))
-    g.add_argument("--clip-grad", type=float, default=_default(OptimizerConfig, "clip_grad"))
-    g.add_argument("--micro-batch-size", type=int, default=_default(PolicyConfig, "micro_batch_size"),
-                   help="samples per micro-batch")
-    g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="token budget of a micro-batch")
-    g.add_argument("--max-skipped-steps", type=int, default=_default(OptimizerConfig, "max_skipped_steps"),
-                   help="updates with a non-finite gradient skipped in a row before the run stops")
+    add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
+                                    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"])
+    add_fields(g, PolicyConfig, ["micro_batch_size", "max_tokens_per_micro_batch"])
+    add_fields(g, OptimizerConfig, ["max_skipped_steps"])
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
@@ -294,11 +282,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_megatron_arguments(args, plan.prompts_per_update)
     algo = _config(algo_preset(args.algorithm).with_overrides, at="algo",
                    **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
-    optimizer = _config(OptimizerConfig, at="policy.optimizer", lr=args.lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad, lr_warmup_iters=args.lr_warmup_iters,
-                        max_skipped_steps=args.max_skipped_steps, lr_decay_style=args.lr_decay_style,
-                        lr_decay_iters=args.lr_decay_iters or plan.total_updates, min_lr=args.min_lr)
+    optimizer = _config(OptimizerConfig, at="policy.optimizer", **{
+        **field_values(OptimizerConfig, args), "lr_decay_iters": args.lr_decay_iters or plan.total_updates})
     save = Path(args.save)
     policy = _config(
         PolicyConfig, at="policy", hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer,
@@ -309,7 +294,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
             keep_hf_exports=args.keep_hf_exports),
         offload_dir=RunDir(save).offload,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
-        micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        **field_values(PolicyConfig, args),
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
         export_dtype=args.export_dtype, offload_train=args.offload_train,
         recompute_granularity=args.recompute_granularity)

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from megamu.config_fields import FlagSpec, flag_spec
 
@@ -28,13 +28,13 @@ def _spec(config_cls: type, name: str, attached: Mapping[str, FlagSpec] | None) 
     return (attached or {}).get(name) or flag_spec(config_cls, name)
 
 
-def add_fields(group, config_cls: type, *, attached: Mapping[str, FlagSpec] | None = None,
-               choices: Mapping[str, tuple] | None = None) -> None:
-    """A flag for each field of ``config_cls`` that carries one, in field order, or for each field given one in
-    ``attached``, in its order. ``choices``: values filled in where a spec leaves them to the caller (AlgoConfig's,
-    which live in megamu.algo)."""
+def add_fields(group, config_cls: type, only: Sequence[str] | None = None, *,
+               attached: Mapping[str, FlagSpec] | None = None, choices: Mapping[str, tuple] | None = None) -> None:
+    """A flag for each field of ``config_cls`` that carries one (or is given one in ``attached``): the fields ``only``
+    names, in its order (a group may hold flags of several parts), else all, in ``attached``'s or field order.
+    ``choices``: values filled in where a spec leaves them to the caller (AlgoConfig's, which live in megamu.algo)."""
     by_name = {f.name: f for f in dataclasses.fields(config_cls)}
-    for name in attached or by_name:
+    for name in only or attached or by_name:
         spec = _spec(config_cls, name, attached)
         if spec is None:
             continue

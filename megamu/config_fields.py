@@ -20,9 +20,12 @@ class FlagSpec:
         return self.argparse.get("dest") or self.names[0].lstrip("-").replace("-", "_")
 
 
-def flag(*names: str, default: Any = MISSING, help: str | None = None, **argparse: Any) -> Any:
-    """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords;
-    without a "default" of its own, the flag's default is the field's."""
+def flag(*names: str, default: Any = MISSING, flag_default: Any = MISSING, help: str | None = None,
+         **argparse: Any) -> Any:
+    """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords.
+    The flag's default is the field's, unless ``flag_default`` gives one of its own (e.g. for a field without one)."""
+    if flag_default is not MISSING:
+        argparse["default"] = flag_default
     return field(default=default, metadata={"flag": FlagSpec(tuple(names), help, argparse)})
 
 

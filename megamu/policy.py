@@ -32,13 +32,22 @@ from megamu.weights import LogprobProbe, Weights
 class CheckpointConfig:
     """Where the run's checkpoints and HF exports go, how often and how many stay; where a new run starts from."""
 
-    save: Path  # the run directory: checkpoints (iter_N folders), hf/iter_N exports
-    load: Path | None = None  # a new run's start point (an earlier run's checkpoint); restarts resume from save
-    pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load
-    save_interval: int = 0  # updates between checkpoints (0: stage ends only)
-    keep: int = 2  # newest checkpoints kept under save (0: all)
-    hf_export_interval: int = 0  # updates between hf/iter_N exports (0: none)
-    keep_hf_exports: int | None = None  # hf/iter_N exports kept, newest first (0: all; None: as many as checkpoints)
+    save: Path = flag("--save", type=Path, flag_default="runs/cpu-demo",
+                      help="run directory: checkpoints, HF exports, rollouts, metrics")
+    load: Path | None = flag("--load", default=None, type=Path, help=(
+        "a new run's start point: an earlier run's checkpoint directory (its progress continues); a restart always "
+        "resumes from --save's own latest checkpoint"))
+    pretrained_checkpoint: Path | None = flag("--pretrained-checkpoint", "--ref-load", default=None, type=Path, help=(
+        "a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's --ref-load): weights "
+        "only, update 0; --load and --save's checkpoints come first"))
+    save_interval: int = flag("--save-interval", default=0, type=int,
+                              help="updates between checkpoints (0: stage ends only)")
+    keep: int = flag("--keep-checkpoints", default=2, type=int,
+                     help="checkpoints kept under --save, newest first (0: all)")
+    hf_export_interval: int = flag("--hf-export-interval", default=0, type=int, help=(
+        "also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)"))
+    keep_hf_exports: int | None = flag("--keep-hf-exports", default=None, type=int, help=(
+        "--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)"))
 
     def __post_init__(self):
         check_non_negative(self, "save_interval", "keep", "hf_export_interval", "keep_hf_exports")

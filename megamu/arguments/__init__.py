@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=_default(RolloutConfig, "seed"))
+    add_fields(g, RolloutConfig, ["seed"])
     g.add_argument("--distributed-timeout-minutes", type=float, default=None,
                    help="timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits "
                         "during rank 0's rollout are on the CPU and not bound by it")
@@ -69,21 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, OptimizerConfig, ["max_skipped_steps"])
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
-    g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
-    g.add_argument("--load", default=None,
-                   help="a new run's start point: an earlier run's checkpoint directory (its progress continues); "
-                        "a restart always resumes from --save's own latest checkpoint")
-    g.add_argument("--pretrained-checkpoint", "--ref-load", dest="pretrained_checkpoint", default=None,
-                   help="a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's "
-                        "--ref-load): weights only, update 0; --load and --save's checkpoints come first")
-    g.add_argument("--save-interval", type=int, default=_default(CheckpointConfig, "save_interval"),
-                   help="updates between checkpoints (0: stage ends only)")
-    g.add_argument("--hf-export-interval", type=int, default=_default(CheckpointConfig, "hf_export_interval"),
-                   help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
-    g.add_argument("--keep-checkpoints", type=int, default=_default(CheckpointConfig, "keep"),
-                   help="checkpoints kept under --save, newest first (0: all)")
-    g.add_argument("--keep-hf-exports", type=int, default=None,
-                   help="--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)")
+    add_fields(g, CheckpointConfig, ["save", "load", "pretrained_checkpoint", "save_interval", "hf_export_interval",
+                                     "keep", "keep_hf_exports"])
     g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF exports the engine loads (default: the training precision)")
     g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
@@ -120,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
     g.add_argument("--rollout-batch-size", type=int, default=None,
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
-    g.add_argument("--n-samples-per-prompt", type=int, default=_default(RolloutConfig, "n_samples"), help="G")
+    add_fields(g, RolloutConfig, ["n_samples"])
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
     add_fields(g, AlgoConfig, attached=ALGO_FLAGS, choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
@@ -133,13 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
                    help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
                         "the engine generates (default: on in staged and colocated modes, off in async mode)")
-    g.add_argument("--rollout-temperature", type=float, default=_default(RolloutConfig, "temperature"))
-    g.add_argument("--rollout-top-p", type=float, default=_default(RolloutConfig, "top_p"))
-    g.add_argument("--rollout-max-response-len", type=int, default=_default(RolloutConfig, "max_new_tokens"))
-    g.add_argument("--rollout-groups-per-shard", type=int, default=_default(RolloutConfig, "groups_per_shard"),
-                   help="prompt groups per durable shard")
-    g.add_argument("--rollout-shards-per-call", type=int, default=_default(RolloutConfig, "shards_per_call"),
-                   help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
+    add_fields(g, RolloutConfig, ["temperature", "top_p", "max_new_tokens", "groups_per_shard", "shards_per_call"])
     add_engine_arguments(p)
 
     g = p.add_argument_group("async rollout (--rollout-mode async, §5.1)")
@@ -287,22 +268,14 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     save = Path(args.save)
     policy = _config(
         PolicyConfig, at="policy", hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer,
-        checkpoint=_config(
-            CheckpointConfig, at="policy.checkpoint", save=save, load=Path(args.load) if args.load else None,
-            pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
-            save_interval=args.save_interval, keep=args.keep_checkpoints, hf_export_interval=args.hf_export_interval,
-            keep_hf_exports=args.keep_hf_exports),
+        checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)),
         offload_dir=RunDir(save).offload,
         transformer_impl=args.transformer_impl, bf16=args.bf16,
         **field_values(PolicyConfig, args),
         temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
         export_dtype=args.export_dtype, offload_train=args.offload_train,
         recompute_granularity=args.recompute_granularity)
-    rollout = _config(
-        RolloutConfig, at="rollout", n_samples=args.n_samples_per_prompt, seed=args.seed,
-        temperature=args.rollout_temperature, top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
-        groups_per_shard=args.rollout_groups_per_shard, shards_per_call=args.rollout_shards_per_call,
-        reward=reward_config(args))
+    rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.is_async:
         async_ = _config(AsyncConfig, at="async_", queue_groups=args.rollout_queue_groups,

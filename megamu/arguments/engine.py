@@ -31,12 +31,9 @@ FLAG_OF_PATH = {
     "recompute_behaviour_logprobs": "--behaviour-logprobs",
     "plan.max_response_len": "--rollout-max-response-len",
     "algo.name": "--algorithm",
-    "policy.temperature": "--rollout-temperature", "policy.checkpoint.keep": "--keep-checkpoints",
+    "policy.temperature": "--rollout-temperature",
     "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
     "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
-    "rollout.n_samples": "--n-samples-per-prompt", "rollout.temperature": "--rollout-temperature",
-    "rollout.top_p": "--rollout-top-p", "rollout.max_new_tokens": "--rollout-max-response-len",
-    "rollout.groups_per_shard": "--rollout-groups-per-shard", "rollout.shards_per_call": "--rollout-shards-per-call",
     "rollout.reward.kind": "--reward", "rollout.reward.code_mode": "--code-reward-mode",
     "rollout.reward.sandbox_url": "--code-sandbox-url", "rollout.reward.timeout_s": "--code-timeout",
     "rollout.reward.max_error_fraction": "--reward-error-tolerance", "rollout.reward.item_timeout": "--reward-timeout",

@@ -22,7 +22,8 @@ class FlagSpec:
 
 def flag(*names: str, default: Any = MISSING, flag_default: Any = MISSING, help: str | None = None,
          **argparse: Any) -> Any:
-    """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords.
+    """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords
+    (``action="optional_bool"``: --x / --no-x).
     The flag's default is the field's, unless ``flag_default`` gives one of its own (e.g. for a field without one)."""
     if flag_default is not MISSING:
         argparse["default"] = flag_default

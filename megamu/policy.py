@@ -59,23 +59,32 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    hf_checkpoint: str | None  # initial weights (None: the demo model)
+    hf_checkpoint: str | None = flag("--hf-checkpoint", flag_default=None,
+                                     help="initial policy as an HF folder (default: the demo model)")
     device: Device
     optimizer: OptimizerConfig
     checkpoint: CheckpointConfig
     offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
-    transformer_impl: str | None = None  # None: the device's default
-    bf16: bool = False
+    transformer_impl: str | None = flag("--transformer-impl", default=None, choices=["local", "transformer_engine"],
+                                        help="layer implementation (default: transformer_engine on GPU, local on CPU)")
+    bf16: bool = flag("--bf16", default=False, action="store_true")
     micro_batch_size: int = flag("--micro-batch-size", default=8, type=int, help="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = flag("--max-tokens-per-micro-batch", default=None, type=int,
                                                   help="token budget of a micro-batch")
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
-    skip_zero_advantage: bool = True
-    export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
+    skip_zero_advantage: bool = flag("--skip-zero-advantage", default=True, action="optional_bool", help=(
+        "skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute"))
+    # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
+    export_dtype: str | None = flag("--export-dtype", default=None, choices=["bf16", "fp16", "fp32"], help=(
+        "dtype of the HF exports the engine loads (default: the training precision)"))
     # Gradients and optimiser state (GPU: also weights) leave the device during rollouts. None: a run's RunConfig
     # sets it by mode (on where the engine takes turns with the trainer for the device); a policy on its own: off.
-    offload_train: bool | None = None
-    recompute_granularity: str | None = None  # "full" | "selective"
+    offload_train: bool | None = flag("--offload-train", default=None, action="optional_bool", help=(
+        "move the trainer's gradients and optimiser state (GPU: also weights) off the device while the engine "
+        "generates (default: on in staged and colocated modes, off in async mode)"))
+    recompute_granularity: str | None = flag("--recompute-granularity", default=None, choices=["full", "selective"],
+                                             help="activation recomputation in the backward (less memory, ~1/3 more "
+                                                  "compute for full)")
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")

@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from megamu.algo import AlgoConfig
+from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
 from megamu.engines import EngineConfig
@@ -43,15 +44,22 @@ class RunConfig:
     rollout: RolloutConfig
     prompts: PromptsConfig
     seed: int
-    tensorboard_dir: str | None = None  # derived: <save>/tensorboard
-    tensor_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1  # MoE: experts split over this many ranks (GPU only)
-    distributed_timeout_minutes: float | None = None
+    tensorboard_dir: str | None = flag("--tensorboard-dir", default=None,  # derived: <save>/tensorboard
+                                       help="default: <save>/tensorboard")
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", default=1, type=int)
+    # MoE: experts split over this many ranks (GPU only)
+    expert_model_parallel_size: int = flag("--expert-model-parallel-size", default=1, type=int, help=(
+        "mixture-of-experts models: experts split over this many ranks (their count and top-k come from the HF "
+        "config); GPU only, megatron-core runs expert parallelism on CUDA only"))
+    distributed_timeout_minutes: float | None = flag("--distributed-timeout-minutes", default=None, type=float, help=(
+        "timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits during rank 0's "
+        "rollout are on the CPU and not bound by it"))
     cpu_threads: int | None = None  # derived, CPU async mode: the trainer's torch threads (the engine has the rest)
-    log_interval: int = 1
+    log_interval: int = flag("--log-interval", default=1, type=int)
     recompute_behaviour_logprobs: bool = False
     async_: AsyncConfig | None = None  # --rollout-mode async only
-    dry_run: bool = False
+    dry_run: bool = flag("--dry-run", default=False, action="store_true",
+                         help="validate and print the plan; start nothing")
     memory: MemoryPlanConfig | None = None  # GPU runs whose model config is readable: what each GPU holds per phase
     evaluation: EvalConfig = EvalConfig()
     tracker: TrackerConfig = TrackerConfig()

@@ -46,21 +46,12 @@ BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
-    g.add_argument("--hf-checkpoint", default=None, help="initial policy as an HF folder (default: the demo model)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=_default(RunConfig, "tensor_model_parallel_size"))
-    g.add_argument("--expert-model-parallel-size", type=int,
-                   default=_default(RunConfig, "expert_model_parallel_size"),
-                   help="mixture-of-experts models: experts split over this many ranks (their count and top-k come "
-                        "from the HF config); GPU only, megatron-core runs expert parallelism on CUDA only")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
-                   help="layer implementation (default: transformer_engine on GPU, local on CPU)")
-    g.add_argument("--bf16", action="store_true")
+    add_fields(g, PolicyConfig, ["hf_checkpoint"])
+    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size"])
+    add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
     add_fields(g, RolloutConfig, ["seed"])
-    g.add_argument("--distributed-timeout-minutes", type=float, default=None,
-                   help="timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits "
-                        "during rank 0's rollout are on the CPU and not bound by it")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation recomputation in the backward (less memory, ~1/3 more compute for full)")
+    add_fields(g, RunConfig, ["distributed_timeout_minutes"])
+    add_fields(g, PolicyConfig, ["recompute_granularity"])
 
     g = p.add_argument_group("optimiser (Megatron names)")
     add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
@@ -71,10 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     add_fields(g, CheckpointConfig, ["save", "load", "pretrained_checkpoint", "save_interval", "hf_export_interval",
                                      "keep", "keep_hf_exports"])
-    g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="dtype of the HF exports the engine loads (default: the training precision)")
-    g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
-    g.add_argument("--log-interval", type=int, default=_default(RunConfig, "log_interval"))
+    add_fields(g, PolicyConfig, ["export_dtype"])
+    add_fields(g, RunConfig, ["tensorboard_dir", "log_interval"])
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
@@ -111,15 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
     add_fields(g, AlgoConfig, attached=ALGO_FLAGS, choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
-    g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction,
-                   default=_default(PolicyConfig, "skip_zero_advantage"),
-                   help="skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute")
+    add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
-    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
-                   help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
-                        "the engine generates (default: on in staged and colocated modes, off in async mode)")
+    add_fields(g, PolicyConfig, ["offload_train"])
     add_fields(g, RolloutConfig, ["temperature", "top_p", "max_new_tokens", "groups_per_shard", "shards_per_call"])
     add_engine_arguments(p)
 
@@ -139,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-gib", type=float, default=_default(MemoryPlanConfig, "gpu_memory_gib"),
                    help="memory of one GPU for the memory plan that --dry-run prints and every GPU run checks "
                         "(default: an H200's)")
-    g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
     return p
@@ -267,14 +252,9 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         **field_values(OptimizerConfig, args), "lr_decay_iters": args.lr_decay_iters or plan.total_updates})
     save = Path(args.save)
     policy = _config(
-        PolicyConfig, at="policy", hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer,
+        PolicyConfig, at="policy", **field_values(PolicyConfig, args), device=device, optimizer=optimizer,
         checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)),
-        offload_dir=RunDir(save).offload,
-        transformer_impl=args.transformer_impl, bf16=args.bf16,
-        **field_values(PolicyConfig, args),
-        temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
-        export_dtype=args.export_dtype, offload_train=args.offload_train,
-        recompute_granularity=args.recompute_granularity)
+        offload_dir=RunDir(save).offload, temperature=args.rollout_temperature)
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.is_async:
@@ -294,11 +274,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
     run = _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
-        async_=async_, prompts=prompts, tensorboard_dir=args.tensorboard_dir, seed=args.seed,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
-        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
+        async_=async_, prompts=prompts, seed=args.seed, **field_values(RunConfig, args),
+        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute",
         evaluation=evaluation_config(args), tracker=tracker_config(args))
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,

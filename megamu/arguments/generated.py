@@ -41,6 +41,8 @@ def add_fields(group, config_cls: type, only: Sequence[str] | None = None, *,
         kw = {"default": by_name[name].default, **spec.argparse}
         if kw.get("choices", ...) is None:
             kw["choices"] = (choices or {})[name]
+        if kw.get("action") == "optional_bool":  # --x / --no-x (parts name it without importing argparse)
+            kw["action"] = argparse.BooleanOptionalAction
         if spec.help is not None:
             kw["help"] = spec.help
         group.add_argument(*spec.names, **kw)

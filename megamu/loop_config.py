@@ -16,9 +16,14 @@ class AsyncConfig:
     run's RunConfig derives it from the plan and the device (``queue_groups``: ``default_queue_groups``;
     ``worker_threads``: half the cores on CPU, where the two processes share them)."""
 
-    queue_groups: int | None = None  # the engine stays at most this many stored-but-unconsumed groups ahead
+    # the engine stays at most this many stored-but-unconsumed groups ahead
+    queue_groups: int | None = flag("--rollout-queue-groups", default=None, type=int, help=(
+        "groups the engine may store ahead of the trainer (default: what keeps the lag within K, about (K - N) x "
+        "--prompts-per-update)"))
     worker_threads: int | None = None  # CPU: torch threads of the engine process (GPU: the device's default)
-    rollout_devices: str | None = None  # GPU: CUDA_VISIBLE_DEVICES of the engine process (its SGLang servers)
+    rollout_devices: str | None = flag("--rollout-devices", default=None, help=(
+        "GPU ids (CUDA_VISIBLE_DEVICES) of the engine process's SGLang servers; the trainer's GPUs are torchrun's own "
+        "(launch it with CUDA_VISIBLE_DEVICES set to the others)"))
 
     def __post_init__(self):
         check_positive(self, "queue_groups", "worker_threads")

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 
 from megamu.algo import AlgoConfig
+from megamu.config_fields import flag
 from megamu.errors import ConfigError, check_choice, check_positive
 
 ROLLOUT_MODES = ("staged", "colocated", "async")
@@ -137,8 +138,11 @@ class AsyncPlan(PlanBase):
     it has no stages."""
 
     train_iters: int
-    weight_sync_interval: int  # N
-    max_policy_lag: int  # K
+    weight_sync_interval: int = flag("--weight-sync-interval", type=int, flag_default=4,  # N
+                                     help="updates between weight pushes to the engine")
+    max_policy_lag: int = flag("--max-policy-lag", type=int, flag_default=1024, help=(  # K
+        "K: samples generated more than K updates before the update that takes them are dropped (counted, never "
+        "trained on); must be >= --weight-sync-interval"))
     rollout_mode: str = "async"  # the only value; a field so that the plan's dict (checkpoints) names its mode
 
     def __post_init__(self):

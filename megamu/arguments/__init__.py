@@ -67,19 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    g.add_argument("--prompt-key", "--input-key", dest="prompt_key", default=_default(PromptsConfig, "prompt_key"),
-                   help="the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' "
-                        "messages are read when this column is absent")
+    add_fields(g, PromptsConfig, ["prompt_key"])
     g.add_argument("--answer-key", "--label-key", dest="answer_key", default=None,
                    help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
                         "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
-    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="render prompts through the tokenizer's chat template (default: when it has one)")
-    g.add_argument("--instruction", default=None,
-                   help="text appended to each text problem (default: the paper's step-by-step \\boxed{} "
-                        "instruction; '' for none); message rows carry their own")
-    g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
-    g.add_argument("--skip-bad-rows", action="store_true")
+    add_fields(g, PromptsConfig, ["chat_template", "instruction", "max_prompt_length", "skip_bad_rows"])
     g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
                    help="module:function, file.py:function or module.function (slime's --custom-rm-path); "
                         "fn(response, ground_truth), verl's compute_score(data_source, solution_str, ground_truth, "
@@ -109,16 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
 
     g = p.add_argument_group("async rollout (--rollout-mode async, §5.1)")
-    g.add_argument("--max-policy-lag", type=int, default=1024,
-                   help="K: samples generated more than K updates before the update that takes them are dropped "
-                        "(counted, never trained on); must be >= --weight-sync-interval")
-    g.add_argument("--weight-sync-interval", type=int, default=4, help="updates between weight pushes to the engine")
-    g.add_argument("--rollout-queue-groups", type=int, default=None,
-                   help="groups the engine may store ahead of the trainer (default: what keeps the lag within K, "
-                        "about (K - N) x --prompts-per-update)")
-    g.add_argument("--rollout-devices", default=None,
-                   help="GPU ids (CUDA_VISIBLE_DEVICES) of the engine process's SGLang servers; the trainer's GPUs "
-                        "are torchrun's own (launch it with CUDA_VISIBLE_DEVICES set to the others)")
+    add_fields(g, AsyncPlan, ["max_policy_lag", "weight_sync_interval"])
+    add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
     g.add_argument("--gpu-memory-gib", type=float, default=_default(MemoryPlanConfig, "gpu_memory_gib"),
@@ -258,8 +242,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.is_async:
-        async_ = _config(AsyncConfig, at="async_", queue_groups=args.rollout_queue_groups,
-                         rollout_devices=args.rollout_devices)
+        async_ = _config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = _config(
         PromptsConfig, at="prompts",
@@ -268,9 +251,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
         builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
-        prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
-        skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
-        instruction=args.instruction, chat_template=args.apply_chat_template,
+        **field_values(PromptsConfig, args), answer_key=answer_key(args), context_length=model_context(args, config),
         max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
     run = _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,

@@ -27,7 +27,7 @@ def _default(config, name: str):
 # The flag of each config field (a dotted path in RunConfig's tree) whose flag is not "--" + its own name with dashes,
 # for the parts whose flags are still written out in this package (a generated part's fields carry their flags).
 FLAG_OF_PATH = {
-    "async_": "--rollout-mode", "async_.queue_groups": "--rollout-queue-groups",
+    "async_": "--rollout-mode",
     "recompute_behaviour_logprobs": "--behaviour-logprobs",
     "plan.max_response_len": "--rollout-max-response-len",
     "algo.name": "--algorithm",
@@ -39,7 +39,7 @@ FLAG_OF_PATH = {
     "rollout.reward.max_error_fraction": "--reward-error-tolerance", "rollout.reward.item_timeout": "--reward-timeout",
     "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data", "prompts.held_out": "--eval-prompts",
     "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
-    "prompts.chat_template": "--apply-chat-template", "prompts.eval_sets": "--eval-prompt-data",
+    "prompts.eval_sets": "--eval-prompt-data",
     "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
     "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
     "memory.server_tp": "--sglang-tp-size",

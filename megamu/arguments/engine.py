@@ -10,11 +10,11 @@ import dataclasses
 import shlex
 from dataclasses import replace
 
-from megamu.arguments.generated import field_flag
+from megamu.arguments.generated import add_fields, field_flag, field_values
 from megamu.device import CPU, Device
 from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
-from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
+from megamu.reward.config import RewardConfig
 from megamu.run_config import RunConfig
 
 
@@ -34,9 +34,6 @@ FLAG_OF_PATH = {
     "policy.temperature": "--rollout-temperature",
     "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
     "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
-    "rollout.reward.kind": "--reward", "rollout.reward.code_mode": "--code-reward-mode",
-    "rollout.reward.sandbox_url": "--code-sandbox-url", "rollout.reward.timeout_s": "--code-timeout",
-    "rollout.reward.max_error_fraction": "--reward-error-tolerance", "rollout.reward.item_timeout": "--reward-timeout",
     "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data", "prompts.held_out": "--eval-prompts",
     "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
     "prompts.eval_sets": "--eval-prompt-data",
@@ -144,21 +141,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_reward_arguments(p: argparse.ArgumentParser) -> None:
     """The reward's flags, one spelling for the trainer and tools/evaluate.py (read back by ``reward_config``)."""
     g = p.add_argument_group("reward")
-    g.add_argument("--reward", choices=REWARD_KINDS, default=_default(RewardConfig, "kind"),
-                   help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
-                        "against the row's tests in a sandbox")
-    g.add_argument("--code-reward-mode", choices=CODE_MODES, default=_default(RewardConfig, "code_mode"),
-                   help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
-    g.add_argument("--code-sandbox-url", default=None,
-                   help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
-    g.add_argument("--code-timeout", type=float, default=_default(RewardConfig, "timeout_s"),
-                   help="code: wall-clock and CPU seconds of one program execution (one test case)")
-    g.add_argument("--reward-error-tolerance", type=float, default=_default(RewardConfig, "max_error_fraction"),
-                   help="fraction of reward calls that may raise before the run stops with the exception and one "
-                        "offending sample (default 0: a function that fails stops the run at its first shard)")
-    g.add_argument("--reward-timeout", type=float, default=None,
-                   help="seconds one reward call may take before it scores 0 (default: 5 for math and --reward-fn, "
-                        "the code reward's own limit for code); raise it for a remote judge")
+    add_fields(g, RewardConfig)
 
 
 def reward_config(args: argparse.Namespace) -> RewardConfig:
@@ -175,10 +158,8 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
     if args.reward_fn and ":" not in args.reward_fn and "." not in args.reward_fn:
         _error("--reward-fn", f"expected module:function, file.py:function or module.function (slime's "
                               f"--custom-rm-path), got {args.reward_fn!r}")
-    return _config(RewardConfig, at="rollout.reward", kind=args.reward, reward_fn=args.reward_fn,
-                   code_mode=args.code_reward_mode, sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
-                   num_workers=getattr(args, "reward_workers", None),
-                   max_error_fraction=args.reward_error_tolerance, item_timeout=args.reward_timeout)
+    return _config(RewardConfig, at="rollout.reward", **field_values(RewardConfig, args), reward_fn=args.reward_fn,
+                   num_workers=getattr(args, "reward_workers", None))
 
 
 def answer_key(args: argparse.Namespace) -> str:

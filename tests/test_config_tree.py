@@ -192,3 +192,32 @@ def test_generated_flags_default_to_their_fields():
     assert field_values(AlgoConfig, args, attached=ALGO_FLAGS) == dict.fromkeys(ALGO_FLAGS)
     given = build_parser().parse_args(["--eval-top-p", "0.5", "--wandb-dir", "w", "--nav-scope", "suffix"])
     assert (given.eval_top_p, given.wandb_dir, given.nav_scope) == (0.5, Path("w"), "suffix")
+
+
+def _flag_fields(cls: type, prefix: str = ""):
+    """(dotted path, flag) of every field below ``cls`` that carries its flag, walking the parts by type hint."""
+    import dataclasses
+    import typing
+
+    from megamu.arguments.generated import _part_types
+    from megamu.config_fields import flag_spec
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        spec = flag_spec(cls, f.name)
+        if spec is not None:
+            yield prefix + f.name, spec.names[0]
+        for part in _part_types(hints[f.name]):
+            if part is not cls:
+                yield from _flag_fields(part, prefix + f.name + ".")
+
+
+def test_every_flag_a_field_carries_is_a_flag_of_the_parser_and_names_its_errors():
+    from megamu.arguments.generated import ALGO_FLAGS
+
+    found = dict(_flag_fields(RunConfig)) | {f"algo.{n}": s.names[0] for n, s in ALGO_FLAGS.items()}
+    assert found["plan.max_policy_lag"] == "--max-policy-lag"  # the plan's union: AsyncPlan's fields are walked too
+    assert found["policy.checkpoint.keep"] == "--keep-checkpoints" and len(found) >= 40
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    assert set(found.values()) - known == set()
+    assert {path: flag_of(path) for path in found} == found

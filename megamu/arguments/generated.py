@@ -55,21 +55,18 @@ def field_values(config_cls: type, args: argparse.Namespace, *,
             if (spec := _spec(config_cls, f.name, attached)) is not None}
 
 
-def _part_type(hint) -> type | None:
-    """The config class of a field's type hint (``X | None`` -> X); None when it holds no config."""
+def _part_types(hint) -> tuple[type, ...]:
+    """The config classes a field's type hint holds (``X | None`` -> X; the plan's union -> both)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
         else (hint,)
-    return next((t for t in options if dataclasses.is_dataclass(t)), None)
+    return tuple(t for t in options if dataclasses.is_dataclass(t))
 
 
 def field_flag(root: type, path: str) -> str | None:
     """The flag a field at dotted ``path`` below ``root`` carries (AlgoConfig's: ALGO_FLAGS); None if it has none."""
     *parents, name = path.split(".")
-    cls = root
+    classes: tuple[type, ...] = (root,)
     for part in parents:
-        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
-        cls = _part_type(hints.get(part))
-        if cls is None:
-            return None
-    spec = _spec(cls, name, ALGO_FLAGS if parents == ["algo"] else None)
-    return spec.names[0] if spec else None
+        classes = tuple(t for cls in classes for t in _part_types(typing.get_type_hints(cls).get(part)))
+    attached = ALGO_FLAGS if parents == ["algo"] else None
+    return next((spec.names[0] for cls in classes if (spec := _spec(cls, name, attached)) is not None), None)

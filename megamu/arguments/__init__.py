@@ -43,6 +43,10 @@ from megamu.training.optimizer import OptimizerConfig
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
 
+# Most flags are generated from the config tree (fields made with megamu.config_fields.flag; AlgoConfig's attached in
+# generated.ALGO_FLAGS), group by group in the order --help shows. Written out here: flags that are not one field each
+# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...), the engine's (engine.py) and the
+# Megatron-LM compatibility flags (megatron.py).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
@@ -105,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    g.add_argument("--gpu-memory-gib", type=float, default=_default(MemoryPlanConfig, "gpu_memory_gib"),
-                   help="memory of one GPU for the memory plan that --dry-run prints and every GPU run checks "
-                        "(default: an H200's)")
+    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)

@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     prompts = _config(
         PromptsConfig, at="prompts",
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=plan.prompts_per_stage,
-        held_out=args.eval_prompts, seed=args.seed, data_dir=RunDir(save).data,
+        seed=args.seed, data_dir=RunDir(save).data,
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
         builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,

@@ -34,7 +34,7 @@ FLAG_OF_PATH = {
     "policy.temperature": "--rollout-temperature",
     "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
     "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
-    "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data", "prompts.held_out": "--eval-prompts",
+    "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data",
     "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
     "prompts.eval_sets": "--eval-prompt-data",
     "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",

@@ -6,14 +6,14 @@ import argparse
 
 from megamu.arguments.engine import _config, _error
 from megamu.arguments.generated import add_fields, field_values
+from megamu.data.stage_prompts import PromptsConfig
 from megamu.loop_config import EvalConfig
 from megamu.tracking import TrackerConfig
 
 
 def add_evaluation_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation during training (slime's names)")
-    g.add_argument("--eval-prompts", type=int, default=100,
-                   help="training prompts held out as the 'held-out' evaluation set (0: none)")
+    add_fields(g, PromptsConfig, ["held_out"])
     g.add_argument("--eval-prompt-data", nargs="+", default=[], metavar="NAME PATH",
                    help="named evaluation sets, e.g. --eval-prompt-data aime24 aime24.jsonl math500 math500.jsonl "
                         "(rows like --prompt-data's, with answers; prompts built as in training)")

@@ -25,7 +25,9 @@ class PromptsConfig:
 
     files: tuple[str, ...]
     prompts_per_stage: int | None  # B_train; None in async mode (no stages)
-    held_out: int  # prompts kept out of training for the greedy evaluation (at most half the data)
+    # prompts kept out of training for the greedy evaluation (at most half the data)
+    held_out: int = flag("--eval-prompts", type=int, flag_default=100,
+                         help="training prompts held out as the 'held-out' evaluation set (0: none)")
     seed: int
     data_dir: Path
     builtin_rows: int = 0

@@ -67,7 +67,7 @@ class Run:
             self.policy.save(self.state.update, extra={**self.state.state_dict(), "plan": vars(self.plan)})
         if cfg.hf_export_interval and self.state.update % cfg.hf_export_interval == 0:
             self.policy.export(self.run_dir.iter_export(self.state.update))  # for evaluate.py --run
-            if parallel.is_main_rank():  # retention: --keep-hf-exports, by default --keep-checkpoints (RunConfig)
+            if parallel.is_main_rank():  # retention: --keep-hf-exports, by default --keep-checkpoints
                 self.run_dir.prune_iter_exports(keep=cfg.keep_hf_exports)
         crash_point("update", self.state.update)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamu.config_fields import flag
 from megamu.errors import ConfigError
 from megamu.model_shape import ModelShape, padded_vocab, require_positive
 
@@ -84,7 +85,8 @@ class MemoryPlanConfig:
     weight_push: str | None = None
     push_bucket_mb: float = 512.0
     push_bucket_copies: int = 1  # flattened copies of one bucket alive at once: servers on the node x server TP
-    gpu_memory_gib: float = H200_GIB
+    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
+        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
 

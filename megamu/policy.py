@@ -13,6 +13,7 @@ import torch
 from megamu import parallel
 from megamu.algo import AlgoConfig
 from megamu.atomic import atomic_write
+from megamu.config_fields import flag
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
@@ -28,28 +29,65 @@ from megamu.weights import LogprobProbe, Weights
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run's checkpoints and HF exports go, how often and how many stay; where a new run starts from."""
+
+    save: Path = flag("--save", type=Path, flag_default="runs/cpu-demo",
+                      help="run directory: checkpoints, HF exports, rollouts, metrics")
+    load: Path | None = flag("--load", default=None, type=Path, help=(
+        "a new run's start point: an earlier run's checkpoint directory (its progress continues); a restart always "
+        "resumes from --save's own latest checkpoint"))
+    pretrained_checkpoint: Path | None = flag("--pretrained-checkpoint", "--ref-load", default=None, type=Path, help=(
+        "a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's --ref-load): weights "
+        "only, update 0; --load and --save's checkpoints come first"))
+    save_interval: int = flag("--save-interval", default=0, type=int,
+                              help="updates between checkpoints (0: stage ends only)")
+    keep: int = flag("--keep-checkpoints", default=2, type=int,
+                     help="checkpoints kept under --save, newest first (0: all)")
+    hf_export_interval: int = flag("--hf-export-interval", default=0, type=int, help=(
+        "also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)"))
+    keep_hf_exports: int | None = flag("--keep-hf-exports", default=None, type=int, help=(
+        "--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)"))
+
+    def __post_init__(self):
+        check_non_negative(self, "save_interval", "keep", "hf_export_interval", "keep_hf_exports")
+
+    @property
+    def hf_exports_kept(self) -> int:
+        return self.keep if self.keep_hf_exports is None else self.keep_hf_exports
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
-    hf_checkpoint: str | None  # initial weights (None: the demo model)
+    hf_checkpoint: str | None = flag("--hf-checkpoint", flag_default=None,
+                                     help="initial policy as an HF folder (default: the demo model)")
     device: Device
     optimizer: OptimizerConfig
-    save_dir: Path  # checkpoints (iter_N folders)
-    load_dir: Path | None  # a new run's start point (an earlier run's checkpoint); restarts resume from save_dir
+    checkpoint: CheckpointConfig
     offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
-    transformer_impl: str | None = None  # None: the device's default
-    bf16: bool = False
-    micro_batch_size: int = 8
-    max_tokens_per_micro_batch: int | None = None
+    transformer_impl: str | None = flag("--transformer-impl", default=None, choices=["local", "transformer_engine"],
+                                        help="layer implementation (default: transformer_engine on GPU, local on CPU)")
+    bf16: bool = flag("--bf16", default=False, action="store_true")
+    micro_batch_size: int = flag("--micro-batch-size", default=8, type=int, help="samples per micro-batch")
+    max_tokens_per_micro_batch: int | None = flag("--max-tokens-per-micro-batch", default=None, type=int,
+                                                  help="token budget of a micro-batch")
     temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
-    skip_zero_advantage: bool = True
-    keep_checkpoints: int = 2  # newest checkpoints kept under save_dir (0: all)
-    export_dtype: str | None = None  # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
-    offload_train: bool = False  # gradients and optimiser state (GPU: also weights) leave the device during rollouts
-    recompute_granularity: str | None = None  # "full" | "selective"
-    pretrained_checkpoint: Path | None = None  # a new run's initial weights only (Megatron-LM's name), after load_dir
+    skip_zero_advantage: bool = flag("--skip-zero-advantage", default=True, action="optional_bool", help=(
+        "skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute"))
+    # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
+    export_dtype: str | None = flag("--export-dtype", default=None, choices=["bf16", "fp16", "fp32"], help=(
+        "dtype of the HF exports the engine loads (default: the training precision)"))
+    # Gradients and optimiser state (GPU: also weights) leave the device during rollouts. None: a run's RunConfig
+    # sets it by mode (on where the engine takes turns with the trainer for the device); a policy on its own: off.
+    offload_train: bool | None = flag("--offload-train", default=None, action="optional_bool", help=(
+        "move the trainer's gradients and optimiser state (GPU: also weights) off the device while the engine "
+        "generates (default: on in staged and colocated modes, off in async mode)"))
+    recompute_granularity: str | None = flag("--recompute-granularity", default=None, choices=["full", "selective"],
+                                             help="activation recomputation in the backward (less memory, ~1/3 more "
+                                                  "compute for full)")
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
-        check_non_negative(self, "keep_checkpoints")
         if not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         for name, choices in (("export_dtype", DTYPES), ("recompute_granularity", ("full", "selective")),
@@ -102,17 +140,18 @@ class Policy:
 
         After building the optimiser: the bf16 optimiser's fp32 main weights are refreshed from the loaded model."""
         self.resumed = False
-        for folder in (self.cfg.save_dir, self.cfg.load_dir):
+        for folder in (self.cfg.checkpoint.save, self.cfg.checkpoint.load):
             if folder is None or not Path(folder).exists():
                 continue
             extra = load_checkpoint(folder, self.model, self.arch, self.optimizer)
             if extra is not None:
                 self.loaded_from = Path(folder)
-                self.resumed = folder == self.cfg.save_dir and extra.get("run_state", True)
+                self.resumed = folder == self.cfg.checkpoint.save and extra.get("run_state", True)
                 return extra if extra.get("run_state", True) else None
-        if self.cfg.pretrained_checkpoint is not None:  # weights only: Megatron-LM's --finetune start
-            load_model_checkpoint(self.cfg.pretrained_checkpoint, self.model)
-            self.loaded_from = Path(self.cfg.pretrained_checkpoint)
+        pretrained = self.cfg.checkpoint.pretrained_checkpoint
+        if pretrained is not None:  # weights only: Megatron-LM's --finetune start
+            load_model_checkpoint(pretrained, self.model)
+            self.loaded_from = Path(pretrained)
             return None
         load_hf_into_model(self.model, self.arch, self.hf_source)
         self.loaded_from = self.hf_source
@@ -148,8 +187,8 @@ class Policy:
         return anchors
 
     def save(self, iteration: int, extra: dict) -> None:
-        save_checkpoint(self.cfg.save_dir, iteration, self.model, self.arch, self.optimizer, extra=extra,
-                        keep=self.cfg.keep_checkpoints)
+        save_checkpoint(self.cfg.checkpoint.save, iteration, self.model, self.arch, self.optimizer, extra=extra,
+                        keep=self.cfg.checkpoint.keep)
 
     def export(self, out: Path) -> Path:
         """The weights as an HF folder ``out`` (atomic; a finished folder of the same name is reused)."""

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamu.config_fields import flag
 from megamu.errors import check_choice
 
 WANDB_MODES = ("online", "offline")
@@ -21,12 +22,16 @@ WANDB_MODES = ("online", "offline")
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    wandb: bool = False
-    project: str = "megamu"
-    group: str | None = None
-    name: str | None = None  # default: the run directory's name
-    mode: str = "online"
-    dir: Path | None = None  # default: the run directory (wandb makes wandb/ inside)
+    wandb: bool = flag("--use-wandb", default=False, action="store_true", help=(
+        "log every record and a table of each stage's sample generations to Weights & Biases (pip install wandb); "
+        "a resumed run continues the same wandb run"))
+    project: str = flag("--wandb-project", default="megamu")
+    group: str | None = flag("--wandb-group", default=None)
+    name: str | None = flag("--wandb-name", default=None, help="default: the --save folder's name")
+    mode: str = flag("--wandb-mode", default="online", choices=WANDB_MODES, help=(
+        "offline: write under --wandb-dir without a network (`wandb sync` uploads it later)"))
+    # default: the run directory (wandb makes wandb/ inside)
+    dir: Path | None = flag("--wandb-dir", default=None, type=Path, help="default: --save")
     table_rows: int = 16  # sample generations logged per stage
 
     def __post_init__(self):

@@ -44,6 +44,14 @@ def test_engines_and_rollout_never_import_the_trainer():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+def test_the_config_tree_needs_nothing_of_the_loop():
+    """The loop imports its configs (megamu.loop_config), never the other way round."""
+    config = ("megamu.run_config", "megamu.loop_config", "megamu.arguments")
+    bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.split(".")[:2] == ["megamu", "loop"])
+           for name, path in MODULES.items() if name.startswith(config)}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
 def test_algo_is_pure_torch():
     outside = {name: sorted(m for m in module_imports(path, top_level_only=False)
                             if not m.startswith(("megamu.algo", "megamu.errors")))
@@ -75,33 +83,36 @@ def _bad_configs():
     from megamu.data.stage_prompts import PromptsConfig
     from megamu.device import CPU
     from megamu.engines import EngineConfig, SGLangConfig
-    from megamu.loop.async_ import AsyncConfig
-    from megamu.policy import PolicyConfig
+    from megamu.loop_config import AsyncConfig
+    from megamu.plan import AsyncPlan, StagedPlan
+    from megamu.policy import CheckpointConfig, PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig
-    from megamu.run_config import Plan
     from megamu.training.optimizer import OptimizerConfig
 
     opt = OptimizerConfig()
-    policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, save_dir=Path("r"), load_dir=Path("r"),
+    policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, checkpoint=CheckpointConfig(save=Path("r")),
                   offload_dir=Path("r/offload"))
     prompts = dict(files=("a.jsonl",), prompts_per_stage=4, held_out=0, seed=0, data_dir=Path("d"))
     plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
                 rollout_mode="staged", num_stages=2, mu=4)
+    async_plan = dict(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
+                      train_iters=8, weight_sync_interval=4, max_policy_lag=8)
     return [
         (OptimizerConfig, {"lr": 0.0}, "lr"), (OptimizerConfig, {"adam_beta2": 1.0}, "adam_beta2"),
         (PolicyConfig, {**policy, "micro_batch_size": 0}, "micro_batch_size"),
         (PolicyConfig, {**policy, "export_dtype": "int8"}, "export_dtype"),
+        (CheckpointConfig, {"save": Path("r"), "keep_hf_exports": -1}, "keep_hf_exports"),
         (PromptsConfig, {**prompts, "prompts_per_stage": -1}, "prompts_per_stage"),
         (RolloutConfig, {"n_samples": 1}, "n_samples"), (RolloutConfig, {"top_p": 0.0}, "top_p"),
         (EngineConfig, {"kind": "vllm"}, "kind"), (EngineConfig, {"max_batch_size": 0}, "max_batch_size"),
         (SGLangConfig, {"weight_sync": "nfs"}, "weight_sync"), (SGLangConfig, {"tp_size": 0}, "tp_size"),
         (AsyncConfig, {"queue_groups": 0}, "queue_groups"),
         (RewardConfig, {"timeout_s": 0.0}, "timeout_s"),
-        (Plan, {**plan, "rollout_mode": "sync"}, "rollout_mode"),
-        (Plan, {**plan, "train_iters": 8}, "train_iters"),  # async-only
-        (Plan, {**plan, "rollout_mode": "async", "num_stages": None, "mu": None, "train_iters": 8,
-                "weight_sync_interval": 4, "max_policy_lag": 2}, "max_policy_lag"),
+        (StagedPlan, {**plan, "rollout_mode": "async"}, "rollout_mode"),  # async runs have an AsyncPlan
+        (StagedPlan, {**plan, "mu": 0}, "mu"),
+        (AsyncPlan, {**async_plan, "max_policy_lag": 2}, "max_policy_lag"),
+        (AsyncPlan, {**async_plan, "train_iters": 0}, "train_iters"),
     ]
 
 

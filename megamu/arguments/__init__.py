@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, algo_preset
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
-    FLAG_OF_FIELD,
+    FLAG_OF_PATH,
     _config,
     _default,
     _error,
@@ -20,97 +21,61 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     add_reward_arguments,
     answer_key,
     engine_config,
+    engine_flags,
+    flag_of,
     reward_config,
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
+from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
-from megamu.loop.async_ import AsyncConfig
+from megamu.loop_config import AsyncConfig
 from megamu.memory_plan import MemoryPlanConfig
-from megamu.policy import PolicyConfig
+from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
+from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import ROLLOUT_MODES, Plan, RunConfig, memory_plan_of, stage_counts
+from megamu.run_config import RunConfig, memory_plan_of
 from megamu.run_dir import RunDir
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
-from megamu.training.optimizer import LR_DECAY_STYLES, OptimizerConfig
+from megamu.training.optimizer import OptimizerConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
 
+# Most flags are generated from the config tree (fields made with megamu.config_fields.flag; AlgoConfig's attached in
+# generated.ALGO_FLAGS), group by group in the order --help shows. Written out here: flags that are not one field each
+# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...), the engine's (engine.py) and the
+# Megatron-LM compatibility flags (megatron.py).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
-    g.add_argument("--hf-checkpoint", default=None, help="initial policy as an HF folder (default: the demo model)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=_default(RunConfig, "tensor_model_parallel_size"))
-    g.add_argument("--expert-model-parallel-size", type=int,
-                   default=_default(RunConfig, "expert_model_parallel_size"),
-                   help="mixture-of-experts models: experts split over this many ranks (their count and top-k come "
-                        "from the HF config); GPU only, megatron-core runs expert parallelism on CUDA only")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
-                   help="layer implementation (default: transformer_engine on GPU, local on CPU)")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=_default(RolloutConfig, "seed"))
-    g.add_argument("--distributed-timeout-minutes", type=float, default=None,
-                   help="timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits "
-                        "during rank 0's rollout are on the CPU and not bound by it")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="activation recomputation in the backward (less memory, ~1/3 more compute for full)")
+    add_fields(g, PolicyConfig, ["hf_checkpoint"])
+    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size"])
+    add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
+    add_fields(g, RolloutConfig, ["seed"])
+    add_fields(g, RunConfig, ["distributed_timeout_minutes"])
+    add_fields(g, PolicyConfig, ["recompute_granularity"])
 
     g = p.add_argument_group("optimiser (Megatron names)")
-    g.add_argument("--lr", type=float, default=_default(OptimizerConfig, "lr"))
-    g.add_argument("--lr-warmup-iters", type=int, default=_default(OptimizerConfig, "lr_warmup_iters"))
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default=_default(OptimizerConfig, "lr_decay_style"))
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: the run's updates")
-    g.add_argument("--min-lr", type=float, default=_default(OptimizerConfig, "min_lr"),
-                   help="the lr a linear or cosine decay ends at")
-    g.add_argument("--weight-decay", type=float, default=_default(OptimizerConfig, "weight_decay"))
-    g.add_argument("--adam-beta1", type=float, default=_default(OptimizerConfig, "adam_beta1"))
-    g.add_argument("--adam-beta2", type=float, default=_default(OptimizerConfig, "adam_beta2"))
-    g.add_argument("--adam-eps", type=float, default=_default(OptimizerConfig, "adam_eps"))
-    g.add_argument("--clip-grad", type=float, default=_default(OptimizerConfig, "clip_grad"))
-    g.add_argument("--micro-batch-size", type=int, default=_default(PolicyConfig, "micro_batch_size"),
-                   help="samples per micro-batch")
-    g.add_argument("--max-tokens-per-micro-batch", type=int, default=None, help="token budget of a micro-batch")
-    g.add_argument("--max-skipped-steps", type=int, default=_default(OptimizerConfig, "max_skipped_steps"),
-                   help="updates with a non-finite gradient skipped in a row before the run stops")
+    add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
+                                    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"])
+    add_fields(g, PolicyConfig, ["micro_batch_size", "max_tokens_per_micro_batch"])
+    add_fields(g, OptimizerConfig, ["max_skipped_steps"])
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
-    g.add_argument("--save", default="runs/cpu-demo", help="run directory: checkpoints, HF exports, rollouts, metrics")
-    g.add_argument("--load", default=None,
-                   help="a new run's start point: an earlier run's checkpoint directory (its progress continues); "
-                        "a restart always resumes from --save's own latest checkpoint")
-    g.add_argument("--pretrained-checkpoint", "--ref-load", dest="pretrained_checkpoint", default=None,
-                   help="a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's "
-                        "--ref-load): weights only, update 0; --load and --save's checkpoints come first")
-    g.add_argument("--save-interval", type=int, default=_default(RunConfig, "save_interval"),
-                   help="updates between checkpoints (0: stage ends only)")
-    g.add_argument("--hf-export-interval", type=int, default=_default(RunConfig, "hf_export_interval"),
-                   help="also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)")
-    g.add_argument("--keep-checkpoints", type=int, default=_default(PolicyConfig, "keep_checkpoints"),
-                   help="checkpoints kept under --save, newest first (0: all)")
-    g.add_argument("--keep-hf-exports", type=int, default=None,
-                   help="--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)")
-    g.add_argument("--export-dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="dtype of the HF exports the engine loads (default: the training precision)")
-    g.add_argument("--tensorboard-dir", default=None, help="default: <save>/tensorboard")
-    g.add_argument("--log-interval", type=int, default=_default(RunConfig, "log_interval"))
+    add_fields(g, CheckpointConfig, ["save", "load", "pretrained_checkpoint", "save_interval", "hf_export_interval",
+                                     "keep", "keep_hf_exports"])
+    add_fields(g, PolicyConfig, ["export_dtype"])
+    add_fields(g, RunConfig, ["tensorboard_dir", "log_interval"])
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    g.add_argument("--prompt-key", "--input-key", dest="prompt_key", default=_default(PromptsConfig, "prompt_key"),
-                   help="the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' "
-                        "messages are read when this column is absent")
+    add_fields(g, PromptsConfig, ["prompt_key"])
     g.add_argument("--answer-key", "--label-key", dest="answer_key", default=None,
                    help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
                         "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
-    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="render prompts through the tokenizer's chat template (default: when it has one)")
-    g.add_argument("--instruction", default=None,
-                   help="text appended to each text problem (default: the paper's step-by-step \\boxed{} "
-                        "instruction; '' for none); message rows carry their own")
-    g.add_argument("--max-prompt-length", type=int, default=_default(PromptsConfig, "max_prompt_length"))
-    g.add_argument("--skip-bad-rows", action="store_true")
+    add_fields(g, PromptsConfig, ["chat_template", "instruction", "max_prompt_length", "skip_bad_rows"])
     g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
                    help="module:function, file.py:function or module.function (slime's --custom-rm-path); "
                         "fn(response, ground_truth), verl's compute_score(data_source, solution_str, ground_truth, "
@@ -127,50 +92,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
     g.add_argument("--rollout-batch-size", type=int, default=None,
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
-    g.add_argument("--n-samples-per-prompt", type=int, default=_default(RolloutConfig, "n_samples"), help="G")
+    add_fields(g, RolloutConfig, ["n_samples"])
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
-    g.add_argument("--clip-low", type=float, default=None)
-    g.add_argument("--clip-high", type=float, default=None)
-    g.add_argument("--nav-threshold", type=float, default=None, help="τ of the negative-advantage veto")
-    g.add_argument("--nav-scope", choices=VETO_SCOPES, default=None)
-    g.add_argument("--m2po-threshold", type=float, default=None)
-    g.add_argument("--loss-aggregation", choices=AGGREGATIONS, default=None)
+    add_fields(g, AlgoConfig, attached=ALGO_FLAGS, choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
-    g.add_argument("--skip-zero-advantage", action=argparse.BooleanOptionalAction,
-                   default=_default(PolicyConfig, "skip_zero_advantage"),
-                   help="skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute")
+    add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
-    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
-                   help="move the trainer's gradients and optimiser state (GPU: also weights) off the device while "
-                        "the engine generates (default: on in staged and colocated modes, off in async mode)")
-    g.add_argument("--rollout-temperature", type=float, default=_default(RolloutConfig, "temperature"))
-    g.add_argument("--rollout-top-p", type=float, default=_default(RolloutConfig, "top_p"))
-    g.add_argument("--rollout-max-response-len", type=int, default=_default(RolloutConfig, "max_new_tokens"))
-    g.add_argument("--rollout-groups-per-shard", type=int, default=_default(RolloutConfig, "groups_per_shard"),
-                   help="prompt groups per durable shard")
-    g.add_argument("--rollout-shards-per-call", type=int, default=_default(RolloutConfig, "shards_per_call"),
-                   help="shards handed to the engine at once (SGLang servers want hundreds of requests in flight)")
+    add_fields(g, PolicyConfig, ["offload_train"])
+    add_fields(g, RolloutConfig, ["temperature", "top_p", "max_new_tokens", "groups_per_shard", "shards_per_call"])
     add_engine_arguments(p)
 
     g = p.add_argument_group("async rollout (--rollout-mode async, §5.1)")
-    g.add_argument("--max-policy-lag", type=int, default=1024,
-                   help="K: samples generated more than K updates before the update that takes them are dropped "
-                        "(counted, never trained on); must be >= --weight-sync-interval")
-    g.add_argument("--weight-sync-interval", type=int, default=4, help="updates between weight pushes to the engine")
-    g.add_argument("--rollout-queue-groups", type=int, default=None,
-                   help="groups the engine may store ahead of the trainer (default: what keeps the lag within K, "
-                        "about (K - N) x --prompts-per-update)")
-    g.add_argument("--rollout-devices", default=None,
-                   help="GPU ids (CUDA_VISIBLE_DEVICES) of the engine process's SGLang servers; the trainer's GPUs "
-                        "are torchrun's own (launch it with CUDA_VISIBLE_DEVICES set to the others)")
+    add_fields(g, AsyncPlan, ["max_policy_lag", "weight_sync_interval"])
+    add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    g.add_argument("--gpu-memory-gib", type=float, default=_default(MemoryPlanConfig, "gpu_memory_gib"),
-                   help="memory of one GPU for the memory plan that --dry-run prints and every GPU run checks "
-                        "(default: an H200's)")
-    g.add_argument("--dry-run", action="store_true", help="validate and print the plan; start nothing")
+    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib"])
+    add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
     return p
@@ -193,15 +133,19 @@ def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
                                           "and --prompts-per-update")
-        return _config(Plan, prompts_per_update=args.prompts_per_update or 4,
+        for flag, value in (("--num-stages", args.num_stages), ("--mu", args.mu)):
+            if value is not None:
+                _error(flag, "has no meaning in async mode")
+        if args.train_iters is None:
+            _error("--train-iters", "required in async mode")
+        return _config(AsyncPlan, at="plan", prompts_per_update=args.prompts_per_update or 4,
                        n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
-                       algorithm=algorithm, rollout_mode=args.rollout_mode, num_stages=args.num_stages, mu=args.mu,
-                       train_iters=args.train_iters, weight_sync_interval=args.weight_sync_interval,
-                       max_policy_lag=args.max_policy_lag)
-    num_stages, b_mini, mu = _config(stage_counts, prompts_per_stage=args.prompts_per_stage,
+                       algorithm=algorithm, train_iters=args.train_iters,
+                       weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
+    num_stages, b_mini, mu = _config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
                                      prompts_per_update=args.prompts_per_update, mu=args.mu,
                                      num_stages=args.num_stages, train_iters=args.train_iters)
-    return _config(Plan, prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
+    return _config(StagedPlan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
                    max_response_len=args.rollout_max_response_len, algorithm=algorithm,
                    rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
 
@@ -277,7 +221,7 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
 
 def check_memory(plan) -> None:
     """A MemoryPlan that overflows the device is an error naming the flag to change and the line that overflows."""
-    _config(plan.check)
+    _config(plan.check, at="memory")
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -288,66 +232,36 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     config = hf_config(args)
     plan = plan_of(args, args.algorithm)
     check_megatron_arguments(args, plan.prompts_per_update)
-    algo = _config(algo_preset(args.algorithm).with_overrides, clip_low=args.clip_low, clip_high=args.clip_high,
-                   veto_threshold=args.nav_threshold, veto_scope=args.nav_scope, m2po_threshold=args.m2po_threshold,
-                   aggregation=args.loss_aggregation)
-    optimizer = _config(OptimizerConfig, lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                        lr_warmup_iters=args.lr_warmup_iters, max_skipped_steps=args.max_skipped_steps,
-                        lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters or plan.total_updates,
-                        min_lr=args.min_lr)
+    algo = _config(algo_preset(args.algorithm).with_overrides, at="algo",
+                   **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
+    optimizer = _config(OptimizerConfig, at="policy.optimizer", **{
+        **field_values(OptimizerConfig, args), "lr_decay_iters": args.lr_decay_iters or plan.total_updates})
     save = Path(args.save)
-    engine = engine_config(args, device)
-    # CPU async: the engine process and the trainer split the cores (each thread count set, so neither spins).
-    cpu_split = args.rollout_mode == "async" and not device.is_cuda
-    worker_threads = max(1, (os.cpu_count() or 2) // 2) if cpu_split else None
     policy = _config(
-        PolicyConfig, hf_checkpoint=args.hf_checkpoint, device=device, optimizer=optimizer, save_dir=save,
-        load_dir=Path(args.load) if args.load else None, offload_dir=RunDir(save).offload,
-        pretrained_checkpoint=Path(args.pretrained_checkpoint) if args.pretrained_checkpoint else None,
-        transformer_impl=args.transformer_impl, bf16=args.bf16,
-        micro_batch_size=args.micro_batch_size, max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-        temperature=args.rollout_temperature, skip_zero_advantage=args.skip_zero_advantage,
-        keep_checkpoints=args.keep_checkpoints, export_dtype=args.export_dtype,
-        # staged and colocated engines take turns with the trainer for the device; async ones have devices of their own
-        offload_train=args.rollout_mode != "async" if args.offload_train is None else args.offload_train,
-        recompute_granularity=args.recompute_granularity)
-    rollout = _config(
-        RolloutConfig, n_samples=args.n_samples_per_prompt, seed=args.seed, temperature=args.rollout_temperature,
-        top_p=args.rollout_top_p, max_new_tokens=args.rollout_max_response_len,
-        groups_per_shard=args.rollout_groups_per_shard, shards_per_call=args.rollout_shards_per_call,
-        reward=reward_config(args))
+        PolicyConfig, at="policy", **field_values(PolicyConfig, args), device=device, optimizer=optimizer,
+        checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)),
+        offload_dir=RunDir(save).offload, temperature=args.rollout_temperature)
+    rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.is_async:
-        queue = args.rollout_queue_groups or AsyncConfig.default_queue_groups(plan, rollout.groups_per_shard)
-        async_ = _config(AsyncConfig, queue_groups=queue, worker_threads=worker_threads,
-                         rollout_devices=args.rollout_devices)
+        async_ = _config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
     builtin = args.prompt_data == BUILTIN_DATA
     prompts = _config(
-        PromptsConfig,
+        PromptsConfig, at="prompts",
         files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=plan.prompts_per_stage,
-        held_out=args.eval_prompts, seed=args.seed, data_dir=RunDir(save).data,
+        seed=args.seed, data_dir=RunDir(save).data,
         # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
         builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
         if builtin else 0,
-        prompt_key=args.prompt_key, answer_key=answer_key(args), max_prompt_length=args.max_prompt_length,
-        skip_bad_rows=args.skip_bad_rows, context_length=model_context(args, config),
-        instruction=args.instruction, chat_template=args.apply_chat_template,
+        **field_values(PromptsConfig, args), answer_key=answer_key(args), context_length=model_context(args, config),
         max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
-    return _config(
-        RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine, rollout=rollout,
-        async_=async_, prompts=prompts, save=save,
-        tensorboard_dir=args.tensorboard_dir or str(RunDir(save).tensorboard), seed=args.seed,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes, log_interval=args.log_interval,
-        cpu_threads=max(1, (os.cpu_count() or 2) - worker_threads) if cpu_split else None,
-        save_interval=args.save_interval, hf_export_interval=args.hf_export_interval,
-        keep_hf_exports=args.keep_hf_exports,
-        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute", dry_run=args.dry_run,
-        evaluation=evaluation_config(args), tracker=tracker_config(args),
-        memory=memory_plan_of(config, policy=policy, engine=engine, plan=plan, prompts=prompts,
-                              tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
-                              world=int(os.environ.get("WORLD_SIZE", "1")),
-                              gpu_memory_gib=args.gpu_memory_gib, for_gpu=device.is_cuda or args.bf16
-                              or args.transformer_impl == "transformer_engine"))
+    run = _config(
+        RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
+        async_=async_, prompts=prompts, seed=args.seed, **field_values(RunConfig, args),
+        recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute",
+        evaluation=evaluation_config(args), tracker=tracker_config(args))
+    # the memory plan reads the run's derived settings (offload, weight push, memory saver)
+    memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
+                     world=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory_gib=args.gpu_memory_gib,
+                     for_gpu=device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine")
+    return replace(run, memory=memory)

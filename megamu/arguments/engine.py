@@ -1,18 +1,21 @@
 """Flags of the rollout engine and the reward, shared by the trainer and tools/evaluate.py, and how a part's config
-error becomes an error naming its flag (the configs name their fields; FLAG_OF_FIELD maps them to flags).
+error becomes an error naming its flag (the configs name their fields by dotted path; FLAG_OF_PATH maps them to
+flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
+from dataclasses import replace
 
+from megamu.arguments.generated import add_fields, field_flag, field_values
 from megamu.device import CPU, Device
 from megamu.engines import ENGINE_KINDS, EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
-from megamu.reward.config import CODE_MODES, REWARD_KINDS, RewardConfig
+from megamu.reward.config import RewardConfig
+from megamu.run_config import RunConfig
 
 
 def _default(config, name: str):
@@ -21,37 +24,52 @@ def _default(config, name: str):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-# Config fields whose flag is not "--" + the field's name with dashes.
-FLAG_OF_FIELD = {
-    "veto_threshold": "--nav-threshold", "veto_scope": "--nav-scope", "aggregation": "--loss-aggregation",
-    "name": "--algorithm", "kind": "--reward", "code_mode": "--code-reward-mode", "sandbox_url": "--code-sandbox-url",
-    "timeout_s": "--code-timeout", "max_batch_size": "--local-engine-batch-size", "num_servers": "--sglang-num-servers",
-    "port_base": "--sglang-port-base",
-    "tp_size": "--sglang-tp-size", "extra_server_args": "--sglang-server-args", "n_samples": "--n-samples-per-prompt",
-    "max_new_tokens": "--rollout-max-response-len", "groups_per_shard": "--rollout-groups-per-shard",
-    "shards_per_call": "--rollout-shards-per-call", "temperature": "--rollout-temperature", "top_p": "--rollout-top-p",
-    "queue_groups": "--rollout-queue-groups", "held_out": "--eval-prompts", "max_response_len":
-    "--rollout-max-response-len", "n_samples_per_prompt": "--n-samples-per-prompt",
-    "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "model": "--hf-checkpoint",
-    "server_concurrency": "--sglang-server-concurrency", "deterministic": "--rollout-deterministic",
-    "router": "--sglang-router", "url_timeout_s": "--sglang-url-timeout",
-    "startup_timeout_s": "--sglang-startup-timeout",
-    "probe_period_s": "--rollout-probe-period", "probe_timeout_s": "--rollout-probe-timeout",
-    "probe_misses": "--rollout-probe-misses", "max_restarts": "--rollout-max-restarts",
-    "max_error_fraction": "--reward-error-tolerance", "item_timeout": "--reward-timeout",
+# The flag of each config field (a dotted path in RunConfig's tree) whose flag is not "--" + its own name with dashes,
+# for the parts whose flags are still written out in this package (a generated part's fields carry their flags).
+FLAG_OF_PATH = {
+    "async_": "--rollout-mode",
+    "recompute_behaviour_logprobs": "--behaviour-logprobs",
+    "plan.max_response_len": "--rollout-max-response-len",
+    "algo.name": "--algorithm",
+    "policy.temperature": "--rollout-temperature",
+    "engine.kind": "--rollout-engine", "engine.dtype": "--rollout-dtype", "engine.max_batch_size":
+    "--local-engine-batch-size", "engine.sglang": "--rollout-engine",
+    "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data",
+    "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
+    "prompts.eval_sets": "--eval-prompt-data",
+    "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
+    "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
+    "memory.server_tp": "--sglang-tp-size",
+    **{f"engine.sglang.{name}": flag for name, flag in (
+        ("urls", "--sglang-url"), ("router", "--sglang-router"), ("num_servers", "--sglang-num-servers"),
+        ("tp_size", "--sglang-tp-size"), ("host", "--sglang-host"), ("port_base", "--sglang-port-base"),
+        ("server_python", "--sglang-python"), ("server_env", "--sglang-env"),
+        ("extra_server_args", "--sglang-server-args"), ("url_timeout_s", "--sglang-url-timeout"),
+        ("startup_timeout_s", "--sglang-startup-timeout"), ("probe_period_s", "--rollout-probe-period"),
+        ("probe_timeout_s", "--rollout-probe-timeout"), ("probe_misses", "--rollout-probe-misses"),
+        ("max_restarts", "--rollout-max-restarts"), ("server_concurrency", "--sglang-server-concurrency"),
+        ("deterministic", "--rollout-deterministic"), ("weight_sync", "--weight-sync"),
+        ("memory_saver", "--sglang-memory-saver"), ("sync_master_address", "--weight-sync-address"))},
 }
+
+
+def flag_of(path: str) -> str:
+    """The flag that sets the config field at dotted ``path`` of RunConfig: the one the field carries (generated
+    parts), else the one FLAG_OF_PATH lists (parts whose flags are still written out here), else the field's name."""
+    return field_flag(RunConfig, path) or FLAG_OF_PATH.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
 
 
 def _error(flag: str, message: str):
     raise SystemExit(f"pretrain_mu_grpo.py: error: {flag}: {message}")
 
 
-def _config(make, **kwargs):
-    """Build a part's config; a ConfigError (which names a field) becomes an error naming the flag."""
+def _config(make, *, at: str = "", **kwargs):
+    """Build the config at dotted path ``at`` of RunConfig's tree (or run a check on one); a ConfigError, which names
+    a field, becomes an error naming its flag."""
     try:
         return make(**kwargs)
     except ConfigError as e:
-        _error(FLAG_OF_FIELD.get(e.field, "--" + e.field.replace("_", "-")), e.message)
+        _error(flag_of(e.within(at).field), e.message)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,21 +141,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_reward_arguments(p: argparse.ArgumentParser) -> None:
     """The reward's flags, one spelling for the trainer and tools/evaluate.py (read back by ``reward_config``)."""
     g = p.add_argument_group("reward")
-    g.add_argument("--reward", choices=REWARD_KINDS, default=_default(RewardConfig, "kind"),
-                   help="math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs "
-                        "against the row's tests in a sandbox")
-    g.add_argument("--code-reward-mode", choices=CODE_MODES, default=_default(RewardConfig, "code_mode"),
-                   help="code: 1 only when every test passes, or the fraction of stdin/stdout cases passed")
-    g.add_argument("--code-sandbox-url", default=None,
-                   help="code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally")
-    g.add_argument("--code-timeout", type=float, default=_default(RewardConfig, "timeout_s"),
-                   help="code: wall-clock and CPU seconds of one program execution (one test case)")
-    g.add_argument("--reward-error-tolerance", type=float, default=_default(RewardConfig, "max_error_fraction"),
-                   help="fraction of reward calls that may raise before the run stops with the exception and one "
-                        "offending sample (default 0: a function that fails stops the run at its first shard)")
-    g.add_argument("--reward-timeout", type=float, default=None,
-                   help="seconds one reward call may take before it scores 0 (default: 5 for math and --reward-fn, "
-                        "the code reward's own limit for code); raise it for a remote judge")
+    add_fields(g, RewardConfig)
 
 
 def reward_config(args: argparse.Namespace) -> RewardConfig:
@@ -154,10 +158,8 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
     if args.reward_fn and ":" not in args.reward_fn and "." not in args.reward_fn:
         _error("--reward-fn", f"expected module:function, file.py:function or module.function (slime's "
                               f"--custom-rm-path), got {args.reward_fn!r}")
-    return _config(RewardConfig, kind=args.reward, reward_fn=args.reward_fn, code_mode=args.code_reward_mode,
-                   sandbox_url=args.code_sandbox_url, timeout_s=args.code_timeout,
-                   num_workers=getattr(args, "reward_workers", None),
-                   max_error_fraction=args.reward_error_tolerance, item_timeout=args.reward_timeout)
+    return _config(RewardConfig, at="rollout.reward", **field_values(RewardConfig, args), reward_fn=args.reward_fn,
+                   num_workers=getattr(args, "reward_workers", None))
 
 
 def answer_key(args: argparse.Namespace) -> str:
@@ -165,9 +167,8 @@ def answer_key(args: argparse.Namespace) -> str:
     return args.answer_key or ("tests" if args.reward == "code" else "answer")
 
 
-def engine_config(args: argparse.Namespace, device: Device | None = None) -> EngineConfig:
-    """The engine flags (shared with tools/evaluate.py) as an EngineConfig for the trainer's ``device``."""
-    device = device or CPU
+def engine_flags(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags as given: what follows from the mode and device (None) is left to ``RunConfig``."""
     if args.rollout_engine == "local" and (args.sglang_url or args.sglang_server_args):
         _error("--sglang-url/--sglang-server-args", "only used with --rollout-engine sglang")
     if args.rollout_engine == "local" and (args.sglang_python or args.sglang_env):
@@ -179,27 +180,29 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
         if "=" not in item:
             _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
         env.update([item.split("=", 1)])
-    colocated = getattr(args, "rollout_mode", "staged") == "colocated"
-    sync = args.weight_sync or ("memory" if colocated and args.rollout_engine == "sglang" else "disk")
-    if sync == "memory" and not colocated:
-        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
-                                "from the stage's export)")
     sglang = SGLangConfig()
     if args.rollout_engine == "sglang":
-        sglang = _config(SGLangConfig, urls=[u for u in (args.sglang_url or "").split(",") if u],
+        sglang = _config(SGLangConfig, at="engine.sglang", urls=[u for u in (args.sglang_url or "").split(",") if u],
                          num_servers=args.sglang_num_servers, tp_size=args.sglang_tp_size,
                          port_base=args.sglang_port_base,
                          extra_server_args=shlex.split(args.sglang_server_args), server_python=args.sglang_python,
-                         server_env=env, weight_sync=sync, sync_backend=device.backend,
-                         shares_trainer_devices=colocated,  # async servers have GPUs of their own
-                         sync_master_address=args.weight_sync_address or os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                         memory_saver=colocated and device.is_cuda if args.sglang_memory_saver is None
-                         else args.sglang_memory_saver,
+                         server_env=env, weight_sync=args.weight_sync, sync_master_address=args.weight_sync_address,
+                         memory_saver=args.sglang_memory_saver,
                          server_concurrency=args.sglang_server_concurrency, deterministic=args.rollout_deterministic,
                          host=args.sglang_host, router=args.sglang_router, url_timeout_s=args.sglang_url_timeout,
                          startup_timeout_s=args.sglang_startup_timeout,
                          probe_period_s=args.rollout_probe_period, probe_timeout_s=args.rollout_probe_timeout,
                          probe_misses=args.rollout_probe_misses, max_restarts=args.rollout_max_restarts)
-    dtype = args.rollout_dtype or ("bfloat16" if getattr(args, "bf16", False) else "float32")
-    return _config(EngineConfig, kind=args.rollout_engine, dtype=dtype, max_batch_size=args.local_engine_batch_size,
-                   sglang=sglang)
+    return _config(EngineConfig, at="engine", kind=args.rollout_engine, dtype=args.rollout_dtype,
+                   max_batch_size=args.local_engine_batch_size, sglang=sglang)
+
+
+def engine_config(args: argparse.Namespace, device: Device | None = None) -> EngineConfig:
+    """The engine flags as an engine on its own (tools/evaluate.py) is configured: servers apart from any trainer
+    (disk refreshes), computing in --rollout-dtype, else float32. A run's engine: ``RunConfig(...).engine``."""
+    cfg = engine_flags(args)
+    if cfg.kind == "sglang" and cfg.sglang.weight_sync == "memory":
+        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
+                                "from the stage's export)")
+    sglang = cfg.sglang.placed(backend=(device or CPU).backend) if cfg.kind == "sglang" else cfg.sglang
+    return replace(cfg, dtype=cfg.dtype or "float32", sglang=sglang)

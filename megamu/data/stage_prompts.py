@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megamu import parallel
 from megamu.atomic import atomic_write_text
+from megamu.config_fields import flag
 from megamu.data.arithmetic import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
@@ -24,18 +25,25 @@ class PromptsConfig:
 
     files: tuple[str, ...]
     prompts_per_stage: int | None  # B_train; None in async mode (no stages)
-    held_out: int  # prompts kept out of training for the greedy evaluation (at most half the data)
+    # prompts kept out of training for the greedy evaluation (at most half the data)
+    held_out: int = flag("--eval-prompts", type=int, flag_default=100,
+                         help="training prompts held out as the 'held-out' evaluation set (0: none)")
     seed: int
     data_dir: Path
     builtin_rows: int = 0
-    prompt_key: str = "problem"
+    prompt_key: str = flag("--prompt-key", "--input-key", default="problem", help=(
+        "the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' messages are read when "
+        "this column is absent"))
     answer_key: str = "answer"
-    max_prompt_length: int = 1024
-    skip_bad_rows: bool = False
+    max_prompt_length: int = flag("--max-prompt-length", default=1024, type=int)
+    skip_bad_rows: bool = flag("--skip-bad-rows", default=False, action="store_true")
     context_length: int | None = None  # the model's (max_position_embeddings): prompt + reply must fit it
     max_response_len: int = 0
-    instruction: str | None = None  # appended to each text problem (None: the paper's; "": none)
-    chat_template: bool | None = None  # None: the tokenizer's chat template when it has one
+    instruction: str | None = flag("--instruction", default=None, help=(  # None: the paper's; "": none
+        "text appended to each text problem (default: the paper's step-by-step \\boxed{} instruction; '' for none); "
+        "message rows carry their own"))
+    chat_template: bool | None = flag("--apply-chat-template", default=None, action="optional_bool", help=(
+        "render prompts through the tokenizer's chat template (default: when it has one)"))
     eval_sets: tuple[tuple[str, str], ...] = ()  # (name, file) of held-out sets evaluated beside the split-off one
 
     def __post_init__(self):

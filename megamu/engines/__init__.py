@@ -24,13 +24,16 @@ class EngineConfig:
     """Which engine generates, as the trainer and tools/evaluate.py both configure it."""
 
     kind: str = "local"
-    dtype: str = "float32"  # the precision the engine computes in: the local engine's weights, SGLang's --dtype
+    # The precision the engine computes in: the local engine's weights, SGLang's --dtype. None: a run's is its
+    # training precision (RunConfig fills it in); an engine on its own computes in float32.
+    dtype: str | None = None
     max_batch_size: int = 128  # local engine: sequences decoded together
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # servers, launch and weight sync (kind "sglang")
 
     def __post_init__(self):
         check_choice(self, "kind", ENGINE_KINDS)
-        check_choice(self, "dtype", ENGINE_DTYPES)
+        if self.dtype is not None:
+            check_choice(self, "dtype", ENGINE_DTYPES)
         check_positive(self, "max_batch_size")
         if self.kind == "local" and self.sglang != SGLangConfig():
             raise ConfigError("sglang", "SGLang settings are only used with the sglang engine")
@@ -52,11 +55,12 @@ def make_engine(kind: str, hf_dir, **kwargs) -> Engine:
 def build_engine(cfg: EngineConfig, hf_dir) -> Engine:
     """The engine of ``cfg`` serving the weights in ``hf_dir``. Servers megamu did not start hold whatever they loaded
     last, so they are given ``hf_dir`` first."""
+    dtype = cfg.dtype or "float32"
     if cfg.kind == "local":
         import torch
 
-        return make_engine("local", str(hf_dir), dtype=getattr(torch, cfg.dtype), max_batch_size=cfg.max_batch_size)
-    engine = make_engine(cfg.kind, str(hf_dir), config=replace(cfg.sglang, dtype=cfg.dtype))
+        return make_engine("local", str(hf_dir), dtype=getattr(torch, dtype), max_batch_size=cfg.max_batch_size)
+    engine = make_engine(cfg.kind, str(hf_dir), config=replace(cfg.sglang, dtype=dtype))
     if cfg.sglang.urls:
         engine.update_weights(hf_dir=str(hf_dir))
     return engine

@@ -19,7 +19,6 @@ import pickle
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -27,7 +26,6 @@ import pyarrow.parquet as pq
 from megamu import parallel
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import EngineConfig, build_engine
-from megamu.errors import check_positive
 from megamu.loop.async_worker import (
     CONFIG,
     CONSUMED,
@@ -41,6 +39,7 @@ from megamu.loop.async_worker import (
 )
 from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
+from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger
 from megamu.records import RolloutSample
 from megamu.rollout import RolloutConfig
@@ -49,26 +48,6 @@ from megamu.run_dir import RunDir
 from megamu.weights import Weights
 
 WAIT_POLL_S = 0.02  # the trainer's poll while waiting for a shard: short, the wait is the idle time it measures
-
-
-@dataclass(frozen=True)
-class AsyncConfig:
-    """The engine process's own settings (the lag bound K and the sync interval N are the run's Plan)."""
-
-    queue_groups: int = 64  # the engine stays at most this many stored-but-unconsumed groups ahead of the trainer
-    worker_threads: int | None = None  # CPU: torch threads of the engine process (None: the device's default)
-    rollout_devices: str | None = None  # GPU: CUDA_VISIBLE_DEVICES of the engine process (its SGLang servers)
-
-    def __post_init__(self):
-        check_positive(self, "queue_groups", "worker_threads")
-
-    @staticmethod
-    def default_queue_groups(plan, groups_per_shard: int) -> int:
-        """What keeps the lag within K by back-pressure: a group stored when the trainer is at version t is trained
-        by update ≤ t + 1 + (queue + shard) / B_mini, and the engine's weights are at most N - 1 updates old (drops
-        remain the guarantee, for what timing slips through)."""
-        b_mini = plan.prompts_per_update
-        return max(b_mini, (plan.max_policy_lag - plan.weight_sync_interval) * b_mini - groups_per_shard)
 
 
 class EngineProcessError(RuntimeError):

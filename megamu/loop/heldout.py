@@ -9,36 +9,15 @@ problem passed). Scores come from the run's reward; each set is one "eval" recor
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from megamu.data.prompts import PromptRecord
 from megamu.engines import Engine
 from megamu.engines.types import SamplingParams
-from megamu.errors import ConfigError, check_non_negative
 from megamu.evaluation.metrics import avg_at_k
+from megamu.loop_config import EvalConfig
 from megamu.metrics import MetricsLogger
 from megamu.rollout.phase import generate_groups
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """Field names are the flags' (--eval-interval, ...), so a ConfigError names the flag."""
-
-    eval_interval: int = 0  # updates between evaluations; 0: before the first update and after the last only
-    n_samples_per_eval_prompt: int = 0  # k sampled replies per problem for pass@1 (0: greedy only)
-    eval_temperature: float = 1.0
-    eval_top_p: float = 1.0
-
-    def __post_init__(self):
-        check_non_negative(self, "eval_interval", "n_samples_per_eval_prompt")
-        if self.eval_temperature <= 0:
-            raise ConfigError("eval_temperature", f"must be > 0 for sampled evaluation, got {self.eval_temperature}")
-        if not 0 < self.eval_top_p <= 1:
-            raise ConfigError("eval_top_p", f"must be in (0, 1], got {self.eval_top_p}")
-
-    def due(self, update: int) -> bool:
-        """Whether the policy after ``update`` updates is evaluated mid-run (the first and last always are)."""
-        return bool(self.eval_interval) and update > 0 and update % self.eval_interval == 0
 
 
 def evaluate_sets(engine: Engine, sets: dict[str, list[PromptRecord]], sampling: SamplingParams, cfg: EvalConfig,

@@ -68,8 +68,7 @@ class Run:
         if cfg.hf_export_interval and self.state.update % cfg.hf_export_interval == 0:
             self.policy.export(self.run_dir.iter_export(self.state.update))  # for evaluate.py --run
             if parallel.is_main_rank():  # retention: --keep-hf-exports, by default --keep-checkpoints
-                keep = cfg.keep_hf_exports if cfg.keep_hf_exports is not None else cfg.policy.keep_checkpoints
-                self.run_dir.prune_iter_exports(keep=keep)
+                self.run_dir.prune_iter_exports(keep=cfg.keep_hf_exports)
         crash_point("update", self.state.update)
 
     def show_eta(self, stage: int, t_update: float, t_rollout: float, t_eval: float) -> None:

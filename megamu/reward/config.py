@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamu.config_fields import flag
 from megamu.errors import ConfigError
 from megamu.reward.code import CODE_MODES
 from megamu.reward.pool import DEFAULT_REWARD_FN, RewardScorer
@@ -16,14 +17,25 @@ CODE_ITEM_SLACK_S = 60.0  # a code item may run many cases; the pool kills it on
 
 @dataclass(frozen=True)
 class RewardConfig:
-    kind: str = "math"  # --reward
+    kind: str = flag("--reward", default="math", choices=REWARD_KINDS, help=(
+        "math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs against the row's "
+        "tests in a sandbox"))
     reward_fn: str | None = None  # --reward-fn module:function, overrides kind
-    code_mode: str = "all"  # --code-reward-mode: all tests pass -> 1, or the fraction passed
-    sandbox_url: str | None = None  # --code-sandbox-url: run programs on a remote sandbox service
-    timeout_s: float = 10.0  # --code-timeout: wall-clock (and CPU) limit of one program execution
+    # code: all tests pass -> 1, or the fraction passed
+    code_mode: str = flag("--code-reward-mode", default="all", choices=CODE_MODES, help=(
+        "code: 1 only when every test passes, or the fraction of stdin/stdout cases passed"))
+    sandbox_url: str | None = flag("--code-sandbox-url", default=None, help=(
+        "code: run programs on this sandbox service (megamu/reward/remote.py) instead of locally"))
+    timeout_s: float = flag("--code-timeout", default=10.0, type=float, help=(
+        "code: wall-clock and CPU seconds of one program execution (one test case)"))
     num_workers: int | None = None
-    max_error_fraction: float = 0.0  # --reward-error-tolerance: calls that may raise before the run stops
-    item_timeout: float | None = None  # --reward-timeout: seconds per item (None: 5 s math, code's own slack)
+    max_error_fraction: float = flag("--reward-error-tolerance", default=0.0, type=float, help=(
+        "fraction of reward calls that may raise before the run stops with the exception and one offending sample "
+        "(default 0: a function that fails stops the run at its first shard)"))
+    # seconds per item (None: 5 s math, code's own slack)
+    item_timeout: float | None = flag("--reward-timeout", default=None, type=float, help=(
+        "seconds one reward call may take before it scores 0 (default: 5 for math and --reward-fn, the code reward's "
+        "own limit for code); raise it for a remote judge"))
 
     def __post_init__(self):
         if not 0 <= self.max_error_fraction <= 1:

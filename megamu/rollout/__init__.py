@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megamu.config_fields import flag
 from megamu.engines.types import SamplingParams
 from megamu.errors import ConfigError, check_positive
 from megamu.reward.config import RewardConfig
@@ -17,13 +18,16 @@ from megamu.reward.config import RewardConfig
 class RolloutConfig:
     """How each stage's samples are drawn (G per prompt, seeded by stage), scored and written (shards of groups)."""
 
-    n_samples: int = 8  # G
-    seed: int = 1234
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    groups_per_shard: int = 16
-    shards_per_call: int = 1  # engines that take whole calls (the local engine): shards per call
+    n_samples: int = flag("--n-samples-per-prompt", default=8, type=int, help="G")
+    seed: int = flag("--seed", default=1234, type=int)  # the run's seed; stage k samples with seed + k
+    temperature: float = flag("--rollout-temperature", default=1.0, type=float)
+    top_p: float = flag("--rollout-top-p", default=1.0, type=float)
+    max_new_tokens: int = flag("--rollout-max-response-len", default=64, type=int)
+    groups_per_shard: int = flag("--rollout-groups-per-shard", default=16, type=int,
+                                 help="prompt groups per durable shard")
+    # engines that take whole calls (the local engine): shards per call
+    shards_per_call: int = flag("--rollout-shards-per-call", default=1, type=int, help=(
+        "shards handed to the engine at once (SGLang servers want hundreds of requests in flight)"))
     reward: RewardConfig = field(default_factory=RewardConfig)  # math-verify unless --reward code or --reward-fn
 
     def __post_init__(self):

@@ -101,7 +101,8 @@ def rng_sharded_object(state: dict):
 def megatron_entries(arch: ModelArch, iteration: int, optimizer_cfg, *, plan: dict | None, world: int,
                      hf_source_dir: str | None, bf16: bool) -> dict:
     """What ``save_checkpoint`` adds to its sharded state dict for Megatron-LM: ``args``, ``opt_param_scheduler``
-    and (GPU) ``rng_state``. ``plan``: the run's (megamu.run_config.Plan as a dict), for the samples per update."""
+    and (GPU) ``rng_state``. ``plan``: the run's (megamu.plan.StagedPlan or AsyncPlan as a dict), for the samples
+    per update."""
     plan = plan or {}
     samples = plan.get("prompts_per_update", 1) * plan.get("n_samples_per_prompt", 1)
     total = plan.get("train_iters") or (plan["num_stages"] * plan["mu"] if plan.get("num_stages") else None)

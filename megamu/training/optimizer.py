@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megamu import parallel
+from megamu.config_fields import flag
 from megamu.device import CPU, Device
 from megamu.errors import ConfigError
 from megamu.training.host_mirror import HostMirror, device_tensors
@@ -46,17 +47,20 @@ class OptimizerConfig:
     warmup update runs at lr 0. Weight decay skips biases and 1-D parameters (norms), as Megatron does.
     """
 
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
-    lr_warmup_iters: int = 0
-    max_skipped_steps: int = 5  # non-finite updates skipped in a row before the run stops (0: the first one stops it)
-    lr_decay_style: str = "constant"  # or "linear", "cosine" (Megatron's)
-    lr_decay_iters: int | None = None  # updates over which lr decays to min_lr (the run's length, set by arguments)
-    min_lr: float = 0.0
+    lr: float = flag("--lr", default=1e-5, type=float)
+    weight_decay: float = flag("--weight-decay", default=0.01, type=float)
+    adam_beta1: float = flag("--adam-beta1", default=0.9, type=float)
+    adam_beta2: float = flag("--adam-beta2", default=0.999, type=float)
+    adam_eps: float = flag("--adam-eps", default=1e-8, type=float)
+    clip_grad: float = flag("--clip-grad", default=1.0, type=float)  # 0 disables clipping
+    lr_warmup_iters: int = flag("--lr-warmup-iters", default=0, type=int)
+    # non-finite updates skipped in a row before the run stops (0: the first one stops it)
+    max_skipped_steps: int = flag("--max-skipped-steps", default=5, type=int, help=(
+        "updates with a non-finite gradient skipped in a row before the run stops"))
+    lr_decay_style: str = flag("--lr-decay-style", default="constant", choices=LR_DECAY_STYLES)  # Megatron's
+    # updates over which lr decays to min_lr (a run's: its length unless given)
+    lr_decay_iters: int | None = flag("--lr-decay-iters", default=None, type=int, help="default: the run's updates")
+    min_lr: float = flag("--min-lr", default=0.0, type=float, help="the lr a linear or cosine decay ends at")
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -33,4 +33,4 @@ def test_a_start_point_without_a_checkpoint_is_a_clear_error(tiny, tmp_path):
         with pytest.raises(SystemExit, match=f"{flag}: {tmp_path / 'empty'} holds no checkpoint"):
             parse_args(flags(tiny, tmp_path / "run", flag, str(tmp_path / "empty")))
     # --load equal to --save (slime's scripts) is a run's own directory: a new run starts there
-    assert parse_args(flags(tiny, tmp_path / "run", "--load", str(tmp_path / "run"))).policy.load_dir is not None
+    assert parse_args(flags(tiny, tmp_path / "run", "--load", str(tmp_path / "run"))).policy.checkpoint.load is not None

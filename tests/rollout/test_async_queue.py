@@ -9,9 +9,10 @@ import pytest
 
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
-from megamu.loop.async_ import AsyncConfig, EngineProcess, EngineProcessError
+from megamu.loop.async_ import EngineProcess, EngineProcessError
 from megamu.loop.async_worker import CONSUMED, LOG, prompts_at, read_json
 from megamu.loop.state import QueueCursor
+from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger
 from megamu.records import RolloutSample
 from megamu.rollout import RolloutConfig

@@ -220,7 +220,7 @@ def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, t
     import shutil
 
     from megamu.device import CPU
-    from megamu.policy import Policy, PolicyConfig
+    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
 
     foreign = tmp_path / "megatron"
     shutil.copytree(run["root"] / "save", foreign)
@@ -229,7 +229,8 @@ def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, t
     assert load_checkpoint(foreign, model, run["arch"], opt) == {"iteration": 1, "run_state": False}
     torch.manual_seed(4)
     policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
-                                 save_dir=tmp_path / "save", load_dir=foreign, offload_dir=tmp_path / "offload"))
+                                 checkpoint=CheckpointConfig(save=tmp_path / "save", load=foreign),
+                                 offload_dir=tmp_path / "offload"))
     assert policy.load_latest() is None  # a new run: stage 0, update 0
     for (n, a), (_, b) in zip(model.named_parameters(), policy.model.named_parameters()):
         assert torch.equal(a, b), n  # the checkpoint's weights, not the HF folder's
@@ -242,7 +243,7 @@ def test_a_release_tracker_names_the_release_folder(run, tmp_path):
     import shutil
 
     from megamu.device import CPU
-    from megamu.policy import Policy, PolicyConfig
+    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
 
     converted = tmp_path / "converted"
     shutil.copytree(run["path"], converted / "release")
@@ -252,8 +253,8 @@ def test_a_release_tracker_names_the_release_folder(run, tmp_path):
     assert load_checkpoint(converted, model, run["arch"], opt) == {"iteration": 0, "run_state": False}
     assert torch.equal(model.embedding.word_embeddings.weight, run["saved_embedding"])
     policy = Policy(PolicyConfig(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
-                                 save_dir=tmp_path / "save", load_dir=None, offload_dir=tmp_path / "offload",
-                                 pretrained_checkpoint=converted))
+                                 checkpoint=CheckpointConfig(save=tmp_path / "save", pretrained_checkpoint=converted),
+                                 offload_dir=tmp_path / "offload"))
     assert policy.load_latest() is None and policy.loaded_from == converted and not policy.resumed
     assert torch.equal(policy.model.embedding.word_embeddings.weight, run["saved_embedding"])
     (converted / "latest_checkpointed_iteration.txt").write_text("relase")
@@ -266,12 +267,12 @@ def test_the_runs_own_checkpoint_comes_before_its_start_point(run, tmp_path):
     import shutil
 
     from megamu.device import CPU
-    from megamu.policy import Policy, PolicyConfig
+    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
 
     start, own = tmp_path / "A", tmp_path / "B"
     shutil.copytree(run["root"] / "save", start)
-    cfg = dict(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG, save_dir=own, load_dir=start,
-               offload_dir=tmp_path / "offload")
+    cfg = dict(hf_checkpoint=str(run["root"] / "hf"), device=CPU, optimizer=CFG,
+               checkpoint=CheckpointConfig(save=own, load=start), offload_dir=tmp_path / "offload")
     policy = Policy(PolicyConfig(**cfg))
     assert policy.load_latest() == {"stage": 2, "update_offset": 9, "iteration": 1}
     assert policy.loaded_from == start and not policy.resumed

@@ -70,7 +70,7 @@ class SGLangEngine:
     name = "sglang"
 
     def __init__(self, hf_dir: str | None, config: SGLangConfig | None = None, **overrides):
-        cfg = self.config = replace(config or SGLangConfig(), **overrides)
+        cfg = self.config = replace(config or SGLangConfig(), **overrides).placed()  # a run's is placed already
         self.api_key = cfg.api_key if cfg.api_key is not None else os.environ.get("SGLANG_API_KEY")
         self._procs: list = []
         self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)

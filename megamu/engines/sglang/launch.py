@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
@@ -69,17 +69,20 @@ class SGLangConfig:
     max_retries: int = 5
     backoff_s: float = 1.0
     shutdown_grace_s: float = 30.0
-    weight_sync: str = "disk"  # "disk" (/update_weights_from_disk) or "memory" (/update_weights_from_distributed)
-    memory_saver: bool = False  # launch with --enable-memory-saver; colocated stages release and resume (memory.py)
+    # None below: follows from where the servers run, filled in by ``placed`` (a run's RunConfig places them by its
+    # mode and device; an engine on its own gets disk refreshes over gloo, from 127.0.0.1 or MASTER_ADDR).
+    weight_sync: str | None = None  # "disk" (/update_weights_from_disk) or "memory" (/update_weights_from_distributed)
+    memory_saver: bool | None = None  # launch with --enable-memory-saver; colocated stages release and resume
     weight_bucket_mb: float = 512.0  # bytes per broadcast of an in-memory sync
-    sync_backend: str = "gloo"  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
-    shares_trainer_devices: bool = False  # servers on the trainer's GPUs (colocated): pushes go as tensors, not NCCL
-    sync_master_address: str = "127.0.0.1"  # this process's address as the servers reach it
+    sync_backend: str | None = None  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
+    shares_trainer_devices: bool | None = None  # servers on the trainer's GPUs (colocated): pushes go as tensors
+    sync_master_address: str | None = None  # this process's address as the servers reach it
     vocab_size: int | None = None  # None: read from the served model's config.json when it is readable here
 
     def __post_init__(self):
-        check_choice(self, "weight_sync", WEIGHT_SYNCS)
-        check_choice(self, "sync_backend", ("gloo", "nccl"))
+        for name, choices in (("weight_sync", WEIGHT_SYNCS), ("sync_backend", ("gloo", "nccl"))):
+            if getattr(self, name) is not None:
+                check_choice(self, name, choices)
         check_positive(self, "num_servers", "tp_size", "server_concurrency", "port_base")
         check_positive(self, "probe_misses")
         check_non_negative(self, "max_retries", "max_restarts")
@@ -92,6 +95,15 @@ class SGLangConfig:
         if any(a == "--dtype" or a.startswith("--dtype=") for a in self.extra_server_args):
             raise ConfigError("extra_server_args", "give the server dtype once, as SGLangConfig.dtype, not in the "
                                                    "server args: it must match the dtype of the weights megamu exports")
+
+    def placed(self, colocated: bool = False, backend: str = "gloo") -> SGLangConfig:
+        """This config with the fields left None filled in for servers that share the trainer's devices
+        (``colocated``) or not, with the trainer's process-group ``backend``: colocated servers take in-memory pushes
+        and, on GPUs (nccl), release their memory while the trainer trains; others reload from disk."""
+        derived = dict(weight_sync="memory" if colocated else "disk", memory_saver=colocated and backend == "nccl",
+                       sync_backend=backend, shares_trainer_devices=colocated,
+                       sync_master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        return replace(self, **{k: v for k, v in derived.items() if getattr(self, k) is None})
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None

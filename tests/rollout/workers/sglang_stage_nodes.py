@@ -74,7 +74,8 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
                             reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
     tok = build_char_tokenizer()
     stages = StageEngine("colocated" if mode == "colocated" else "staged",
-                         EngineConfig(kind="sglang", sglang=cfg), rollout, RunDir(Path(record) / "run"), tok,
+                         EngineConfig(kind="sglang", dtype="float32", sglang=cfg), rollout,
+                         RunDir(Path(record) / "run"), tok,
                          metrics=MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0),
                          held_out=[])
     if mode == "colocated":

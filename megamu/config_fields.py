@@ -1,0 +1,36 @@
+"""Config fields that carry their command-line spelling: ``flag(...)`` is a ``dataclasses.field`` whose metadata holds
+the flag's names, help and argparse details (``FlagSpec``). megamu.arguments generates the parser from them and maps a
+config error's field to its flag; nothing else reads them, so a part stays usable (and checked) without a parser."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    names: tuple[str, ...]  # the flag and its aliases, e.g. ("--prompt-key", "--input-key")
+    help: str | None = None
+    argparse: dict[str, Any] = field(default_factory=dict)  # type, choices, action, metavar; a "default" of its own
+
+    @property
+    def dest(self) -> str:
+        """The attribute argparse stores the value under (its first long name's)."""
+        return self.argparse.get("dest") or self.names[0].lstrip("-").replace("-", "_")
+
+
+def flag(*names: str, default: Any = MISSING, flag_default: Any = MISSING, help: str | None = None,
+         **argparse: Any) -> Any:
+    """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords
+    (``action="optional_bool"``: --x / --no-x).
+    The flag's default is the field's, unless ``flag_default`` gives one of its own (e.g. for a field without one)."""
+    if flag_default is not MISSING:
+        argparse["default"] = flag_default
+    return field(default=default, metadata={"flag": FlagSpec(tuple(names), help, argparse)})
+
+
+def flag_spec(config_cls: type, name: str) -> FlagSpec | None:
+    """The flag of field ``name`` of ``config_cls``, if it carries one."""
+    f = getattr(config_cls, "__dataclass_fields__", {}).get(name)
+    return f.metadata.get("flag") if f is not None else None

@@ -1,0 +1,185 @@
+"""The run's shape, printed by --dry-run: ``StagedPlan`` (staged and colocated modes: stages of μ updates on a
+static dataset each) or ``AsyncPlan`` (async mode: updates on a stream, no stages). ``Plan`` is either; both answer
+``rollout_mode``, ``is_async``, ``mu``, ``num_stages`` (None in async mode), ``total_updates``, ``summary()``,
+``describe()`` and ``json_line()``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from megamu.algo import AlgoConfig
+from megamu.config_fields import flag
+from megamu.errors import ConfigError, check_choice, check_positive
+
+ROLLOUT_MODES = ("staged", "colocated", "async")
+STAGED_MODES = ("staged", "colocated")
+
+
+def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, mu: int | None,
+                 num_stages: int | None, train_iters: int | None) -> tuple[int, int, int]:
+    """(num_stages, B_mini, μ) from any two of B_train, B_mini, μ (B_train = μ · B_mini) and at most one of
+    num_stages, train_iters (= num_stages · μ). None of them given: the CPU demo's 64 prompts per stage, 4 per update,
+    2 stages."""
+    b_train, b_mini = prompts_per_stage, prompts_per_update
+    for name, v in (("prompts_per_stage", b_train), ("prompts_per_update", b_mini), ("mu", mu),
+                    ("num_stages", num_stages), ("train_iters", train_iters)):
+        if v is not None and v <= 0:
+            raise ConfigError(name, f"must be a positive integer, got {v}")
+    given = sum(v is not None for v in (b_train, b_mini, mu))
+    if given == 0:
+        b_train, b_mini = 64, 4
+    elif given == 1 and b_mini is None:
+        b_mini = 4 if b_train is None else min(4, b_train)
+    elif given == 1:
+        mu = 16
+    if b_train is None:
+        b_train = mu * b_mini
+    elif b_mini is None:
+        if b_train % mu:
+            raise ConfigError("mu", f"prompts per stage {b_train} is not divisible by μ = {mu}")
+        b_mini = b_train // mu
+    if b_train % b_mini:
+        raise ConfigError("prompts_per_update", f"prompts per stage {b_train} is not a multiple of {b_mini}")
+    if mu is not None and mu * b_mini != b_train:
+        raise ConfigError("mu", f"μ = {mu} contradicts {b_train} prompts per stage / {b_mini} per update")
+    mu = b_train // b_mini
+    if train_iters is not None:
+        if train_iters % mu:
+            raise ConfigError("train_iters", f"{train_iters} is not a multiple of μ = {mu}")
+        if num_stages not in (None, train_iters // mu):
+            raise ConfigError("train_iters", f"{train_iters} contradicts {num_stages} stages x μ = {mu}")
+        num_stages = train_iters // mu
+    return (2 if num_stages is None else num_stages), b_mini, mu
+
+
+@dataclass(frozen=True)
+class PlanBase:
+    """What every plan has: B_mini prompts per update, G samples per prompt, the response bound, the algorithm."""
+
+    prompts_per_update: int  # B_mini
+    n_samples_per_prompt: int  # G
+    max_response_len: int
+    algorithm: str
+
+    def __post_init__(self):
+        check_positive(self, "prompts_per_update", "n_samples_per_prompt", "max_response_len")
+
+    def summary(self) -> dict:
+        """Every count the plan implies (``rollout_mode``, ``total_updates``, ``weight_syncs``: the subclass's)."""
+        return {"prompts_per_update": self.prompts_per_update, "n_samples_per_prompt": self.n_samples_per_prompt,
+                "max_response_len": self.max_response_len, "algorithm": self.algorithm,
+                "rollout_mode": self.rollout_mode, "total_updates": self.total_updates,
+                "total_samples": self.total_updates * self.prompts_per_update * self.n_samples_per_prompt,
+                "weight_syncs": self.weight_syncs}
+
+    def shape(self) -> list[tuple[str, object]]:
+        raise NotImplementedError
+
+    def describe(self, algo: AlgoConfig, precision: str, device: str = "") -> str:
+        rows = self.shape() + [("rollout mode", self.rollout_mode), ("training precision", precision),
+                               ("algorithm", f"{self.algorithm} {algo.describe()}")] + (
+            [("device", device)] if device else [])
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+    def json_line(self) -> str:
+        return "plan: " + json.dumps(self.summary())
+
+
+@dataclass(frozen=True)
+class StagedPlan(PlanBase):
+    """Staged and colocated modes: ``num_stages`` stages of μ updates on B_train = μ · B_mini prompts each, one
+    weight sync per stage."""
+
+    num_stages: int
+    mu: int
+    rollout_mode: str = "staged"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice(self, "rollout_mode", STAGED_MODES)
+        check_positive(self, "num_stages", "mu")
+
+    is_async = False
+
+    @property
+    def total_updates(self) -> int:
+        return self.num_stages * self.mu
+
+    @property
+    def prompts_per_stage(self) -> int:
+        """B_train."""
+        return self.mu * self.prompts_per_update
+
+    @property
+    def weight_syncs(self) -> int:
+        return self.num_stages
+
+    def summary(self) -> dict:
+        samples = self.prompts_per_stage * self.n_samples_per_prompt
+        return {**super().summary(), "num_stages": self.num_stages, "mu": self.mu, "updates_per_stage": self.mu,
+                "prompts_per_stage": self.prompts_per_stage, "samples_per_stage": samples,
+                "max_tokens_per_stage": samples * self.max_response_len}
+
+    def shape(self) -> list[tuple[str, object]]:
+        d = self.summary()
+        return [("stages", d["num_stages"]), ("μ (updates per stage)", d["mu"]),
+                ("B_train (prompts per stage)", d["prompts_per_stage"]),
+                ("B_mini (prompts per update)", d["prompts_per_update"]),
+                ("G (samples per prompt)", d["n_samples_per_prompt"]), ("total updates", d["total_updates"]),
+                ("samples per stage", d["samples_per_stage"]), ("total samples", d["total_samples"]),
+                ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"])]
+
+
+@dataclass(frozen=True)
+class AsyncPlan(PlanBase):
+    """Async mode (§5.1): ``train_iters`` updates on a stream, a weight push every N, samples older than K dropped;
+    it has no stages."""
+
+    train_iters: int
+    weight_sync_interval: int = flag("--weight-sync-interval", type=int, flag_default=4,  # N
+                                     help="updates between weight pushes to the engine")
+    max_policy_lag: int = flag("--max-policy-lag", type=int, flag_default=1024, help=(  # K
+        "K: samples generated more than K updates before the update that takes them are dropped (counted, never "
+        "trained on); must be >= --weight-sync-interval"))
+    rollout_mode: str = "async"  # the only value; a field so that the plan's dict (checkpoints) names its mode
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice(self, "rollout_mode", ("async",))
+        check_positive(self, "train_iters", "weight_sync_interval", "max_policy_lag")
+        if self.max_policy_lag < self.weight_sync_interval:
+            raise ConfigError("max_policy_lag", f"{self.max_policy_lag} is below the weight sync interval "
+                              f"{self.weight_sync_interval}: between syncs the engine's weights fall that far behind, "
+                              "so every sample would be dropped")
+
+    is_async = True
+    num_stages = None  # no stages (the loops ask only in staged modes)
+    mu = None
+    prompts_per_stage = None
+
+    @property
+    def total_updates(self) -> int:
+        return self.train_iters
+
+    @property
+    def weight_syncs(self) -> int:
+        """One every N updates, none after the last."""
+        return (self.train_iters - 1) // self.weight_sync_interval
+
+    def summary(self) -> dict:
+        """Samples are those trained on (the engine also generates the groups it drops and those left in the queue
+        at the end)."""
+        return {**super().summary(), "train_iters": self.train_iters,
+                "weight_sync_interval": self.weight_sync_interval, "max_policy_lag": self.max_policy_lag}
+
+    def shape(self) -> list[tuple[str, object]]:
+        d = self.summary()
+        return [("total updates", d["total_updates"]), ("B_mini (prompts per update)", d["prompts_per_update"]),
+                ("G (samples per prompt)", d["n_samples_per_prompt"]), ("samples trained on", d["total_samples"]),
+                ("weight sync interval N", d["weight_sync_interval"]), ("weight syncs", d["weight_syncs"]),
+                ("max policy lag K", d["max_policy_lag"])]
+
+
+Plan = StagedPlan | AsyncPlan

@@ -43,7 +43,11 @@ class FakeEngine:
         self.calls.append(("probe", url))
         return list(PROBE.logprobs)
 
-    def _post_all(self, path, body, what):  # the memory saver's release / resume (engines/sglang/memory.py)
+    @property
+    def pool(self):  # memory.release/resume post to every server of the pool
+        return self
+
+    def post_all(self, path, body, what):  # the memory saver's release / resume (engines/sglang/memory.py)
         self.calls.append((path.strip("/").split("_")[0], tuple(body["tags"])))
 
     def shutdown(self):

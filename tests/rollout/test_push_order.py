@@ -48,7 +48,11 @@ class FakeServers:
         self.events.append("push tensors" if state_dict is not None else "push folder")
         return SyncReport("memory" if state_dict is not None else "disk", 0.0, version, 0, None)
 
-    def _post_all(self, path, body, what):  # memory.release/resume's one call
+    @property
+    def pool(self):  # memory.release/resume post to every server of the pool
+        return self
+
+    def post_all(self, path, body, what):  # memory.release/resume's one call
         self.events.append(f"{path.strip('/').split('_')[0]} " + ",".join(body["tags"]))
 
 

@@ -121,14 +121,14 @@ class ColocatedSGLang(LifecycleBase):
             if self.node is not None:
                 self.node.watching(False)  # pushes come next: a server busy loading one may miss its probes
         if self.saves_memory and self.engine is not None and not self.released:
-            memory.release(self.engine, memory.ALL)
+            memory.release(self.engine.pool, memory.ALL)
             self.released = memory.ALL
         self.warm = True
 
     def _resume(self, *tags: str) -> None:
         todo = tuple(t for t in self.released if t in tags)
         if todo:
-            memory.resume(self.engine, todo)
+            memory.resume(self.engine.pool, todo)
             self.released = tuple(t for t in self.released if t not in todo)
 
     def stop(self) -> None:

@@ -262,7 +262,7 @@ def host_copy(state_dict: dict, into: dict | None = None) -> dict:
 class SyncReport:
     """One weight sync, for the metrics."""
 
-    mode: str  # "disk" | "memory" | "memory (tensor)" | "memory (tensor, per node)" (loop/staged.py) | "confirm"
+    mode: str  # "disk" | "memory" | "memory (tensor)" | "memory (tensor, per node)" (colocated.py) | "confirm"
     seconds: float
     version: str
     bytes: int = 0  # sent in memory

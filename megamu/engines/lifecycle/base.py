@@ -31,6 +31,7 @@ class EngineLifecycle(Protocol):
     """An engine across the stages. ``engine`` is rank 0's engine (None elsewhere and while none is up)."""
 
     engine: Engine | None
+    hf_dir: Path | None  # the folder of the weights the engine serves (or starts from), named in stage manifests
     stage_end_checkpoints: bool  # the loop checkpoints at every stage's end (a resume then skips the stage)
     launch_stage: int | None  # the stage whose HF export running servers were launched from: kept until stop()
 

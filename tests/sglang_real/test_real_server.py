@@ -257,7 +257,7 @@ def test_tensor_push_into_the_server(served, tmp_path):
     new_dir = str(save_tiny_model(tmp_path / "tensor", "llama", seed=13))
     state = served.model(new_dir).state_dict()
     engine.config.weight_bucket_mb = 0.02  # several buckets
-    assert send_tensors(engine, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
+    assert send_tensors(engine.pool, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
     served.model_dir = new_dir
     assert check_probe(engine, _probe(new_dir, served)) <= ATOL
     engine.weight_version = "21"

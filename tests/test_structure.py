@@ -52,6 +52,21 @@ def test_the_config_tree_needs_nothing_of_the_loop():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
+def test_engines_never_import_the_rollout_phase():
+    """The loop hands the rollout phase the lifecycle's engine: engines import nothing of megamu.rollout (which
+    imports engines), so the two never tie into a cycle."""
+    bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.startswith("megamu.rollout"))
+           for name, path in MODULES.items() if name.startswith("megamu.engines")}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_the_loop_never_reaches_into_sglang():
+    """How SGLang servers live across stages is megamu.engines.lifecycle's business: the loop sees the protocol."""
+    bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.startswith("megamu.engines.sglang"))
+           for name, path in MODULES.items() if name.startswith("megamu.loop")}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
 def test_algo_is_pure_torch():
     outside = {name: sorted(m for m in module_imports(path, top_level_only=False)
                             if not m.startswith(("megamu.algo", "megamu.errors")))

@@ -1,4 +1,5 @@
-"""Rollout engines: the protocol (types.py), the in-process engine (local.py) and SGLang servers (sglang/).
+"""Rollout engines: the protocol (types.py), the in-process engine (local.py), SGLang servers (sglang/), and how an
+engine lives across a staged run's stages (lifecycle/).
 
 ``EngineConfig`` says which engine generates and in what precision; ``build_engine`` makes it. Engines take weights
 (``Engine.update_weights``) and requests, never the trainer: nothing here imports megamu.policy or megamu.training.

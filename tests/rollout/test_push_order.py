@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from megamu.engines.sglang import memory
-from megamu.loop.staged import StageEngine, WeightRequest, final_evaluation, publish
+from megamu.engines import EngineConfig, SGLangConfig
+from megamu.engines.sglang.colocated import ColocatedSGLang
+from megamu.engines.sglang.weight_sync import SyncReport
+from megamu.loop.staged import final_evaluation, publish
 from megamu.weights import Weights
 
 
@@ -36,48 +38,54 @@ class FakePolicy:
         self.events.append("trainer offload + empty_cache")
 
 
-class FakeStageEngine(StageEngine):
-    """StageEngine's own ``load``/``wake`` ordering is kept; only the server calls are recorded."""
+class FakeServers:
+    """The servers' side of the calls ColocatedSGLang makes: pushes and memory calls, recorded."""
 
-    def __init__(self, events, warm, tensors):
-        self.events, self.warm, self.want = events, warm, tensors
-        self.released, self.pending, self.report = memory.ALL if warm else (), None, None
-        self.engine = object()
+    def __init__(self, events):
+        self.events = events
 
-    def wants(self):
-        return WeightRequest(folder=not (self.warm and self.want), tensors=self.warm and self.want)
+    def update_weights(self, hf_dir=None, state_dict=None, *, version=None, probe=None):
+        self.events.append("push tensors" if state_dict is not None else "push folder")
+        return SyncReport("memory" if state_dict is not None else "disk", 0.0, version, 0, None)
 
-    def load(self, weights, stage):
-        if self.warm:
-            self._resume(memory.WEIGHTS)
-            self.events.append("push tensors" if weights.tensors else "push folder")
+    @property
+    def pool(self):  # memory.release/resume post to every server of the pool
+        return self
 
-    def wake(self):
-        self._resume(*memory.ALL)
+    def post_all(self, path, body, what):  # memory.release/resume's one call
+        self.events.append(f"{path.strip('/').split('_')[0]} " + ",".join(body["tags"]))
 
-    def evaluate(self, stage, update, label, weights=None):
-        self.events.append(f"evaluate {label}")
+
+def colocated(events, warm: bool, tensors: bool) -> ColocatedSGLang:
+    """Servers up (after stage 0) that released all their memory at the end of the last stage's rollout."""
+    sglang = SGLangConfig(urls=("http://x",), memory_saver=True, weight_sync="memory" if tensors else "disk")
+    lifecycle = ColocatedSGLang(EngineConfig(kind="sglang", sglang=sglang), log=lambda *a, **k: None)
+    lifecycle.engine = FakeServers(events)
+    if warm:
+        lifecycle.offload()
+        events.clear()
+    return lifecycle
 
 
 @pytest.fixture
-def events(monkeypatch):
-    ev = Events()
-    monkeypatch.setattr(memory, "resume", lambda engine, tags: ev.append("resume " + ",".join(tags)))
-    return ev
+def events():
+    return Events()
 
 
 @pytest.mark.parametrize("tensors", [True, False], ids=["memory-sync", "disk-sync"])
 def test_colocated_refresh_offloads_the_trainer_before_the_servers_weights_return(events, tensors):
-    publish(FakePolicy(events), FakeStageEngine(events, warm=True, tensors=tensors), 1, Path("/x"))
+    publish(FakePolicy(events), colocated(events, warm=True, tensors=tensors), 1, Path("/x"))
     push = "push tensors" if tensors else "push folder"
     assert events == ["gather", "trainer offload + empty_cache", "resume weights", push,
                       "trainer offload + empty_cache", "resume kv_cache,cuda_graph"]
 
 
 def test_first_stage_starts_its_engine_after_the_trainer_offloads(events):
-    publish(FakePolicy(events), FakeStageEngine(events, warm=False, tensors=False), 0, Path("/x"))
+    lifecycle = colocated(events, warm=False, tensors=False)
+    publish(FakePolicy(events), lifecycle, 0, Path("/x"))
     assert events[:2] == ["gather", "trainer offload + empty_cache"]
-    assert not any(e.startswith("resume") for e in events)
+    assert not any(e.startswith(("resume", "push")) for e in events)
+    assert lifecycle.hf_dir == Path("/x")  # the folder the servers start from
 
 
 @dataclass
@@ -85,12 +93,18 @@ class FakeRun:
     policy: FakePolicy
     plan: object
     state: object = None
+    prompts: object = None
+    cfg: object = None
+    tokenizer: object = None
+    metrics: object = None
 
     def export_final(self):
         return self.policy.weights(hf_dir=Path("/final"))
 
 
-def test_final_evaluation_runs_after_the_trainer_offloads(events):
+def test_final_evaluation_runs_after_the_trainer_offloads(events, monkeypatch):
+    import megamu.loop.staged as staged
+
     @dataclass
     class Plan:
         num_stages: int = 2
@@ -99,5 +113,17 @@ def test_final_evaluation_runs_after_the_trainer_offloads(events):
     class State:
         update: int = 8
 
-    final_evaluation(FakeRun(FakePolicy(events), Plan(), State()), FakeStageEngine(events, warm=True, tensors=False))
-    assert events == ["gather", "trainer offload + empty_cache", "evaluate final", "trainer onload"]
+    @dataclass
+    class Prompts:
+        eval_sets: dict
+
+    monkeypatch.setattr(staged, "sampling", lambda run, stage: None)
+    monkeypatch.setattr(staged, "evaluate_sets", lambda engine, *a, label, **k: events.append(f"evaluate {label}"))
+    @dataclass
+    class Cfg:
+        evaluation: object = None
+
+    run = FakeRun(FakePolicy(events), Plan(), State(), Prompts({"held-out": [object()]}), Cfg())
+    final_evaluation(run, colocated(events, warm=True, tensors=False), scorer=None)
+    assert events == ["gather", "trainer offload + empty_cache", "resume weights", "push folder",
+                      "resume kv_cache,cuda_graph", "evaluate final", "trainer onload"]

@@ -207,7 +207,7 @@ def test_server_checks_model_and_seed_support(server, tiny_llama, tmp_path):
     assert client.deterministic is True and client.max_input_len is None  # the schema server reports no limit
     assert client.vocab_size == 101 and client.weight_version == "default"
     with pytest.raises(SGLangError, match="serves .* not .*another server holds the port"):
-        client._check_server(server.url, str(tmp_path))
+        client.check_server(server.url, str(tmp_path))
     server.deterministic = False
     assert _client(server).deterministic is False
 

@@ -62,8 +62,8 @@ def test_a_server_restarted_after_an_in_memory_push_gets_the_push_again(tiny_lla
         report = engine.update_weights(state_dict=pushed, version=3)
         assert report.mode.startswith("memory") and report.bytes == sum(t.numel() * t.element_size()
                                                                        for t in pushed.values())
-        assert engine.restore_tensors is not None and all(  # a copy, not the caller's tensors
-            torch.equal(engine.restore_tensors[n], t) and engine.restore_tensors[n].data_ptr() != t.data_ptr()
+        assert engine.sync.restore_tensors is not None and all(  # a copy, not the caller's tensors
+            torch.equal(engine.sync.restore_tensors[n], t) and engine.sync.restore_tensors[n].data_ptr() != t.data_ptr()
             for n, t in pushed.items())
         _on_first_shard(out, lambda: os.kill(pid, signal.SIGKILL))
         manifest = _phase(engine, out)
@@ -80,7 +80,7 @@ def test_no_host_copy_without_restarts(tiny_llama, other, tmp_path):
     engine = SGLangEngine(tiny_llama, _config(tmp_path, 1, max_restarts=0))
     try:
         engine.update_weights(state_dict=_state_dict(other), version=2)
-        assert engine.restore_tensors is None and engine.weight_version == "2"
+        assert engine.sync.restore_tensors is None and engine.weight_version == "2"
     finally:
         engine.shutdown()
 

@@ -62,7 +62,7 @@ def test_launched_servers_serve_through_the_real_router(tiny_llama, tmp_path, ro
     other = str(save_tiny_model(tmp_path / "other", "llama", seed=5))
     dispatcher, node = start_sglang(tiny_llama, _config(tmp_path, 2, router=router, api_key="k"))
     try:
-        listed = dispatcher._call(router, "/workers", None, timeout=10)["workers"]
+        listed = dispatcher.pool.call(router, "/workers", None, timeout=10)["workers"]
         assert sorted(w["url"] for w in listed) == sorted(node.urls) and dispatcher.routers == [router]
         assert dispatcher.control_urls == node.urls  # syncs and probes go to the servers themselves
         got = [(s.prompt_id, s.sample_index, tuple(s.output_ids)) for s in dispatcher.generate(requests)]

@@ -210,9 +210,9 @@ def test_memory_sync_matches_the_new_weights(served, tmp_path):
         torch.testing.assert_close(torch.tensor(s.output_logprobs, dtype=torch.float64),
                                    teacher_forced(served.model(), [8, 9, 10], s.output_ids), atol=ATOL, rtol=0)
     # A second sync reuses the process group, and the version moves on by one when not given.
-    group = engine._sync
+    group = engine.sync.group
     engine.update_weights(state_dict=state)
-    assert engine._sync is group and engine.weight_version == "8"
+    assert engine.sync.group is group and engine.weight_version == "8"
 
 
 def test_tensor_payload_is_what_sglang_reads(tmp_path):
@@ -257,7 +257,7 @@ def test_tensor_push_into_the_server(served, tmp_path):
     new_dir = str(save_tiny_model(tmp_path / "tensor", "llama", seed=13))
     state = served.model(new_dir).state_dict()
     engine.config.weight_bucket_mb = 0.02  # several buckets
-    assert send_tensors(engine, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
+    assert send_tensors(engine.pool, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
     served.model_dir = new_dir
     assert check_probe(engine, _probe(new_dir, served)) <= ATOL
     engine.weight_version = "21"

@@ -25,13 +25,9 @@ import json
 import os
 import random
 import secrets
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,12 +40,18 @@ from megamu.engines.sglang.launch import (
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
+from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
-from megamu.engines.sglang.transport import AsyncTransport, attempt_body
+from megamu.engines.sglang.transport import AsyncTransport
+from megamu.engines.sglang.weight_sync import (
+    ModelLayout,
+    WeightMismatch,
+    WeightSync,
+    confirm_weights,
+    restore_weights,
+    sync_weights,
+)
 from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
-
-# Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _served_vocab_size(model_path: str | None) -> int | None:
@@ -71,16 +73,10 @@ class SGLangEngine:
 
     def __init__(self, hf_dir: str | None, config: SGLangConfig | None = None, **overrides):
         cfg = self.config = replace(config or SGLangConfig(), **overrides).placed()  # a run's is placed already
-        self.api_key = cfg.api_key if cfg.api_key is not None else os.environ.get("SGLANG_API_KEY")
-        self._procs: list = []
-        self._finalizer = weakref.finalize(self, stop_processes, self._procs, cfg.shutdown_grace_s)
-        self._run_id = uuid.uuid4().hex[:8]
-        self._pool = None
+        self.pool = ServerPool(cfg, cfg.api_key if cfg.api_key is not None else os.environ.get("SGLANG_API_KEY"))
+        self._finalizer = weakref.finalize(self, stop_processes, self.pool.procs, cfg.shutdown_grace_s)
         self._transport = None
-        self._sync = None  # the in-memory weight-sync group, made at the first memory sync (weight_sync.py)
-        self._sync_stale, self._sync_count = False, 0  # a server died since it was made; groups made so far
-        self.restore_tensors = None  # host copy of the last in-memory push, for restarted servers (weight_sync.py)
-        self._router_workers: list[tuple[str, str]] = []  # (router, worker id) pairs this engine added (nodes.py)
+        self.sync = WeightSync()  # the in-memory weight-sync group and the restore copy (weight_sync.py)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         self.keeps = False  # watches and restarts its servers for a dispatcher on another rank (keep_alive)
@@ -90,10 +86,10 @@ class SGLangEngine:
         else:
             if hf_dir is None:
                 raise ValueError("SGLangEngine needs hf_dir (to launch servers) or urls (--sglang-url)")
-            self.api_key = self.api_key or secrets.token_hex(16)
+            self.pool.api_key = self.pool.api_key or secrets.token_hex(16)
             self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
             try:
-                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self._procs, self.log_dir)
+                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self.pool.procs, self.log_dir)
             except (PortInUse, OSError) as e:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
@@ -110,10 +106,10 @@ class SGLangEngine:
                   "shards")
         # What a restarted server must serve: its launch weights, or those of the last sync from a folder.
         self.launch_version, self.weights_folder = self.weight_version, None
-        self._pool = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
+        self.pool.open_control()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._transport = AsyncTransport(headers)
-        servers = [ServerState(u, i, self._procs[i] if self.launched else None, logs[i] if logs else None)
+        servers = [ServerState(u, i, self.pool.procs[i] if self.launched else None, logs[i] if logs else None)
                    for i, u in enumerate(self.urls)]
         self._health = Supervisor(self, servers, Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities]),
                                   self._transport)
@@ -124,27 +120,21 @@ class SGLangEngine:
     def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
         timeout = self.config.url_timeout_s if self.config.urls else self.config.startup_timeout_s
         try:
-            ready = wait_for_servers(lambda u, p, b, t: self._call(u, p, b, timeout=t), self.urls, self._procs,
+            ready = wait_for_servers(lambda u, p, b, t: self.pool.call(u, p, b, timeout=t), self.urls, self.pool.procs,
                                      logs, timeout, given=bool(self.config.urls))
             self.urls = [self.urls[i] for i in ready]  # given servers that never answered are left out, named
-            infos = [self._check_server(url, model_path) for url in self.urls]
+            infos = [self.check_server(url, model_path) for url in self.urls]
         except SGLangError:
             self.shutdown()
             raise
-        self._read_limits(infos, model_path)
+        self.read_limits(infos, model_path)
         self.capacities, self.routers = server_capacities(self.urls, infos, self.config.server_concurrency,
-                                                          self._get_or_none)
+                                                          self.pool.get_or_none)
 
-    def _get_or_none(self, url: str, path: str):
-        try:
-            return self._call(url, path, None, timeout=30.0)
-        except (SGLangError, OSError, http.client.HTTPException, ValueError):
-            return None
-
-    def _check_server(self, url: str, model_path: str | None) -> dict:
+    def check_server(self, url: str, model_path: str | None) -> dict:
         """/health needs no API key in SGLang, so ask /server_info: is the key accepted, and is it our model?"""
         try:
-            info = self._call(url, "/server_info", None, timeout=60.0)
+            info = self.pool.call(url, "/server_info", None, timeout=60.0)
         except SGLangError as e:
             if e.status in (401, 403):
                 raise SGLangError(f"SGLang server {url} rejected the API key (HTTP {e.status}); pass the server's key "
@@ -158,15 +148,13 @@ class SGLangEngine:
         if model_path is not None and served and os.path.realpath(served) != os.path.realpath(model_path):
             raise SGLangError(f"SGLang server {url} serves {served}, not {model_path}: another server holds the port")
         try:  # after a weight update /model_info has the current model and weight version; /server_info does not
-            info["model_info"] = self._call(url, "/model_info", None, timeout=60.0) or {}
+            info["model_info"] = self.pool.call(url, "/model_info", None, timeout=60.0) or {}
         except (SGLangError, OSError, http.client.HTTPException):
             info["model_info"] = {}
         return info
 
-    def _read_limits(self, infos: list[dict], model_path: str | None) -> None:
+    def read_limits(self, infos: list[dict], model_path: str | None) -> None:
         """What prompts, syncs and samples are checked against: vocabulary, input limit, dtype, layout, version."""
-        from megamu.engines.sglang.weight_sync import ModelLayout, WeightMismatch
-
         honours = [i.get("enable_deterministic_inference") if i else None for i in infos]
         self.deterministic = None if None in honours or not honours else all(bool(h) for h in honours)
         limits = [int(i["max_req_input_len"]) for i in infos if i.get("max_req_input_len")]
@@ -187,95 +175,29 @@ class SGLangEngine:
     def refresh_capacities(self) -> None:
         """Ask the servers (a router: its workers) their capacities again."""
         self.capacities, self.routers = server_capacities(self.urls, [{}] * len(self.urls),
-                                                          self.config.server_concurrency, self._get_or_none)
+                                                          self.config.server_concurrency, self.pool.get_or_none)
         self._health.dispatcher.capacities = [OVERSUBSCRIPTION * c for c in self.capacities]
 
     def shutdown(self) -> None:
-        for router, worker in getattr(self, "_router_workers", []):  # before the servers stop: no request goes there
-            try:
-                self._call(router, f"/workers/{urllib.parse.quote(worker, safe='')}", None, timeout=30.0,
-                           method="DELETE")
-            except (SGLangError, OSError, http.client.HTTPException):
-                pass  # the router drops a worker that stopped answering anyway
-        self._router_workers = []
+        self.pool.leave_routers()  # before the servers stop: no request goes there
         if getattr(self, "_health", None) is not None:
             self._health.close()
             self._health = None
-        if self._sync is not None:
-            self._sync.close()
-            self._sync = None
+        self.sync.close()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
         self._finalizer()
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return self.pool.pids
 
-    # ---- HTTP ---------------------------------------------------------------------------------------------------
-    def _call(self, url: str, path: str, body: dict | None, timeout: float, method: str | None = None):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url + path, data=data, headers=headers,
-                                     method=method or ("GET" if body is None else "POST"))
-        try:
-            with _OPENER.open(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:500].decode(errors="replace")
-            if e.code >= 500:
-                raise ConnectionError(f"{url}{path}: HTTP {e.code}: {detail}") from e
-            raise SGLangError(f"{url}{path}: HTTP {e.code}: {detail}", status=e.code) from e
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:  # a plain-text answer (sglang-router's /health: "OK")
-            return raw.decode(errors="replace")
-
-    def _post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
-        """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.
-
-        A 4xx is never retried: the server refused this request, and would refuse it again.
-        A retry gets fresh request ids: SGLang answers 400 "Duplicate request ID" while the failed attempt is still
-        known to the server (a dropped connection is only noticed after a while)."""
-        delay = self.config.backoff_s
-        retries, timeout = self.config.max_retries, self.config.request_timeout_s
-        for attempt in range(retries + 1):
-            url = urls[attempt % len(urls)]
-            try:
-                return self._call(url, path, attempt_body(body, attempt), timeout=timeout)
-            except SGLangError as e:
-                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
-            except TimeoutError as e:
-                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, TimeoutError):
-                    raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
-                error = e
-            except (ConnectionError, http.client.HTTPException, OSError) as e:
-                error = e
-            if attempt == retries:
-                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
-            time.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
-
-    def _post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None) -> list:
-        """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
-        failed. A router's workers are reached directly: weight syncs are not routed."""
-        urls = self.control_urls if urls is None else urls
-        futures = [self._pool.submit(self._post_with_retries, [u], path, body, f"{what} on {u}") for u in urls]
-        outs = [f.result() for f in futures]
-        for url, out in zip(urls, outs):
-            if isinstance(out, dict) and out.get("success") is False:
-                raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
-        return outs
+    # the pool's: what requests, weight syncs and memory calls go to (nodes.py points control_urls past a router)
+    urls = property(lambda self: self.pool.urls, lambda self, v: setattr(self.pool, "urls", v))
+    control_urls = property(lambda self: self.pool.control_urls, lambda self, v: setattr(self.pool, "control_urls", v))
+    api_key = property(lambda self: self.pool.api_key)
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def check_requests(self, requests: list[GenerateRequest]) -> None:
@@ -285,7 +207,7 @@ class SGLangEngine:
     async def _generate_one(self, req: GenerateRequest) -> list[GeneratedSample]:
         sp = req.sampling
         what = f"/generate for {describe_request(req)}"
-        rid = f"megamu-{self._run_id}-{req.prompt_id}-{uuid.uuid4().hex[:6]}"
+        rid = f"megamu-{self.pool.run_id}-{req.prompt_id}-{uuid.uuid4().hex[:6]}"
         # The group goes as a batch with one sampling_seed per sample, never as n copies of one request: those would
         # share one seed, and a server that honours seeds would return n identical samples (no group variance).
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
@@ -360,7 +282,7 @@ class SGLangEngine:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1 at temperature 1, from one server (no token generated)."""
         body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "stream": False}
-        out = self._post_with_retries([url or self.urls[0]], "/generate", body, "teacher-forced log-prob probe")
+        out = self.pool.post_with_retries([url or self.urls[0]], "/generate", body, "teacher-forced log-prob probe")
         pairs = (out.get("meta_info") or {}).get("input_token_logprobs") or []
         return [float(p[0]) for p in pairs[1:]]
 
@@ -370,19 +292,13 @@ class SGLangEngine:
         """Sync every server to new weights (an HF folder, or an HF-named state dict sent in memory); returns a
         SyncReport. Refused before anything is sent when the weights do not fit the running model; ``version`` (the
         policy version; default: one more than the last) is set on the servers and checked on every sample."""
-        from megamu.engines.sglang.weight_sync import sync_weights
-
         return sync_weights(self, hf_dir, state_dict, version, probe)
 
     def adopt_weights(self, version, probe=None):
         """Weights that each node pushed to its own servers: every server must report ``version`` (it is then
         checked on every sample) and match the probe; returns a SyncReport (no bytes: others sent them)."""
-        from megamu.engines.sglang.weight_sync import confirm_weights
-
         return confirm_weights(self, version, probe)
 
     def restore_weights(self, url: str) -> None:
         """Server ``url`` (back from a restart) gets the weights of this engine's last sync, if it serves others."""
-        from megamu.engines.sglang.weight_sync import restore_weights
-
         restore_weights(self, url)

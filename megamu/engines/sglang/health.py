@@ -245,7 +245,7 @@ class Supervisor:
         if not st.alive:
             return
         st.alive, st.misses = False, 0
-        self.engine._sync_stale = True  # its side of an in-memory sync group is gone, or will be after a restart
+        self.engine.sync.stale = True  # its side of an in-memory sync group is gone, or will be after a restart
         self.dispatcher.set_alive(i, False)
         moved = list(st.inflight)
         for task in moved:
@@ -284,7 +284,7 @@ class Supervisor:
         """Best effort: a server declared dead that still runs its requests (moved elsewhere) stops them, so a slow
         server is not kept busier with work whose answers nobody reads (SGLang's /abort_request, abort_all)."""
         try:
-            self.engine._call(url, "/abort_request", {"abort_all": True}, timeout=self.cfg.probe_timeout_s)
+            self.engine.pool.call(url, "/abort_request", {"abort_all": True}, timeout=self.cfg.probe_timeout_s)
             self.events.append({"event": "aborted", "url": url, "time": time.time()})
         except (SGLangError, OSError, http.client.HTTPException, ValueError):
             pass  # dead indeed, or hung: nothing to stop, or nothing that listens
@@ -295,7 +295,7 @@ class Supervisor:
         are pushed again, from its folder or from the host copy of an in-memory push (weight_sync.py)."""
         engine = self.engine
         return (engine.weight_version == engine.launch_version or engine.weights_folder is not None
-                or engine.restore_tensors is not None)
+                or engine.sync.restore_tensors is not None)
 
     def _restart(self, i: int) -> float:
         """Stop what is left of server ``i``, start it again, wait for /health, restore the weights; seconds."""
@@ -306,9 +306,9 @@ class Supervisor:
                 raise SGLangError("the engine is shutting down")
             proc, log = launch_server(self.cfg, engine.hf_dir, engine.api_key, st.index, engine.log_dir,
                                       restart=st.restarts)
-            engine._procs[i] = proc  # stopped with the others at shutdown
+            engine.pool.procs[i] = proc  # stopped with the others at shutdown
             st.proc, st.log = proc, log
-        wait_for_servers(engine._call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
+        wait_for_servers(engine.pool.call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
         engine.restore_weights(st.url)  # samples of other weights than the last sync's would be refused
         return time.monotonic() - t0
 

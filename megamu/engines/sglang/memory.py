@@ -11,17 +11,19 @@ once the trainer has offloaded.
 
 from __future__ import annotations
 
+from megamu.engines.sglang.pool import ServerPool
+
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 ALL = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 CACHE = (KV_CACHE, CUDA_GRAPH)
 
 
-def release(engine, tags: tuple[str, ...] = ALL) -> None:
+def release(pool: ServerPool, tags: tuple[str, ...] = ALL) -> None:
     """Every server frees the memory of ``tags`` (it must have been launched with --enable-memory-saver)."""
-    engine._post_all("/release_memory_occupation", {"tags": list(tags)},
+    pool.post_all("/release_memory_occupation", {"tags": list(tags)},
                      f"releasing {', '.join(tags)} (servers need --enable-memory-saver)")
 
 
-def resume(engine, tags: tuple[str, ...]) -> None:
+def resume(pool: ServerPool, tags: tuple[str, ...]) -> None:
     """Every server takes the memory of ``tags`` back."""
-    engine._post_all("/resume_memory_occupation", {"tags": list(tags)}, f"resuming {', '.join(tags)}")
+    pool.post_all("/resume_memory_occupation", {"tags": list(tags)}, f"resuming {', '.join(tags)}")

@@ -26,6 +26,7 @@ import torch
 import torch.multiprocessing.reductions as reductions
 
 from megamu.device import ipc_shareable_allocations
+from megamu.engines.sglang.pool import ServerPool
 
 _CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (stable for years)
 
@@ -95,21 +96,22 @@ def serialize_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.
     return base64.b64encode(buf.getvalue()).decode(), flat
 
 
-def send_tensors(engine, state_dict: dict[str, torch.Tensor], version: str, urls: list[str] | None = None) -> int:
+def send_tensors(pool: ServerPool, state_dict: dict[str, torch.Tensor], version: str, urls: list[str] | None = None
+                 ) -> int:
     """Push ``state_dict`` bucket by bucket to the servers ``urls`` (default: all) inside one weight-update session;
     returns bytes sent. Each server TP rank gets its own serialization (a CUDA IPC handle is reference-counted per
-    consumer). The handles open only on this host: each node pushes to its own servers (megamu.loop.staged)."""
-    cfg, sent = engine.config, 0
-    urls = list(urls) if urls is not None else engine.control_urls
+    consumer). The handles open only on this host: each node pushes to its own servers (engines/sglang/colocated.py)."""
+    cfg, sent = pool.config, 0
+    urls = list(urls) if urls is not None else pool.control_urls
     groups = buckets(state_dict, int(cfg.weight_bucket_mb * 2**20))
-    engine._post_all("/begin_weight_update", {}, "begin weight update", urls)
+    pool.post_all("/begin_weight_update", {}, "begin weight update", urls)
     try:
         for k, names in enumerate(groups):
             last = k == len(groups) - 1
             named = [(n, state_dict[n]) for n in names]
             payloads = [[serialize_bucket(named) for _ in range(cfg.tp_size)] for _ in urls]
-            futures = [engine._pool.submit(
-                engine._post_with_retries, [url], "/update_weights_from_tensor",
+            futures = [pool.executor.submit(
+                pool.post_with_retries, [url], "/update_weights_from_tensor",
                 {"serialized_named_tensors": [p for p, _ in ranks], "load_format": "flattened_bucket",
                  "flush_cache": last, "weight_version": version if last else None},
                 f"tensor weight update on {url}") for url, ranks in zip(urls, payloads)]
@@ -120,5 +122,5 @@ def send_tensors(engine, state_dict: dict[str, torch.Tensor], version: str, urls
             del payloads
             sent += sum(t.numel() * t.element_size() for _, t in named)
     finally:
-        engine._post_all("/end_weight_update", {}, "end weight update", urls)
+        pool.post_all("/end_weight_update", {}, "end weight update", urls)
     return sent

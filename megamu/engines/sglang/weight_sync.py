@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import buckets, flatten, send_tensors, transport
 from megamu.net import free_port
@@ -139,13 +140,13 @@ def broadcast(pg, tensor: torch.Tensor) -> None:
 class WeightGroup:
     """The process group of in-memory syncs: this process is rank 0, the TP workers of ``urls`` follow."""
 
-    def __init__(self, engine, group_name: str, urls: list[str]):
-        cfg = engine.config
-        self.engine, self.group_name, self.urls = engine, group_name, list(urls)
+    def __init__(self, pool: ServerPool, group_name: str, urls: list[str]):
+        cfg = pool.config
+        self.pool, self.group_name, self.urls = pool, group_name, list(urls)
         tp = cfg.tp_size
         world = 1 + tp * len(self.urls)
         port = free_port(cfg.sync_master_address)
-        futures = [engine._pool.submit(engine._post_with_retries, [url], "/init_weights_update_group",
+        futures = [pool.executor.submit(pool.post_with_retries, [url], "/init_weights_update_group",
                                        dict(master_address=cfg.sync_master_address, master_port=port,
                                             rank_offset=1 + i * tp, world_size=world, group_name=group_name,
                                             backend=cfg.sync_backend), f"weight-sync group on {url}")
@@ -161,9 +162,9 @@ class WeightGroup:
 
     def send(self, state_dict: dict, version: str) -> int:
         """Broadcast ``state_dict`` bucket by bucket inside one begin/end weight-update session; returns bytes."""
-        engine, sent, urls = self.engine, 0, self.urls
-        groups = buckets(state_dict, int(engine.config.weight_bucket_mb * 2**20))
-        engine._post_all("/begin_weight_update", {}, "begin weight update", urls)
+        pool, sent, urls = self.pool, 0, self.urls
+        groups = buckets(state_dict, int(pool.config.weight_bucket_mb * 2**20))
+        pool.post_all("/begin_weight_update", {}, "begin weight update", urls)
         try:
             for k, names in enumerate(groups):
                 last = k == len(groups) - 1
@@ -171,8 +172,8 @@ class WeightGroup:
                             shapes=[list(state_dict[n].shape) for n in names], group_name=self.group_name,
                             load_format="flattened_bucket", flush_cache=last,
                             weight_version=version if last else None)
-                futures = [engine._pool.submit(engine._post_with_retries, [u], "/update_weights_from_distributed",
-                                               body, f"in-memory weight update on {u}") for u in urls]
+                futures = [pool.executor.submit(pool.post_with_retries, [u], "/update_weights_from_distributed",
+                                                body, f"in-memory weight update on {u}") for u in urls]
                 flat = flatten([state_dict[n] for n in names])
                 broadcast(self.pg, flat)
                 for url, f in zip(urls, futures):
@@ -181,7 +182,7 @@ class WeightGroup:
                         raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
                 sent += flat.numel()
         finally:  # close the session even after a failed bucket (see sync_weights for what that leaves)
-            engine._post_all("/end_weight_update", {}, "end weight update", urls)
+            pool.post_all("/end_weight_update", {}, "end weight update", urls)
         return sent
 
     def close(self) -> None:
@@ -189,7 +190,7 @@ class WeightGroup:
 
         for url in self.urls:
             try:
-                self.engine._call(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=30)
+                self.pool.call(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=30)
             except Exception:  # the server may be gone already; its side of the group goes with it
                 pass
         try:
@@ -198,30 +199,48 @@ class WeightGroup:
             pass
 
 
+class WeightSync:
+    """An engine's in-memory sync state: the broadcast group to all its servers (made at the first in-memory sync,
+    made again after a server died: its side of the group went with it) and the host copy of the last push, which a
+    restarted server is given (its launch folder holds older weights)."""
+
+    def __init__(self):
+        self.group: WeightGroup | None = None
+        self.stale = False  # a server died since the group was made (health.py)
+        self.count = 0  # groups made so far: each has a fresh name, the servers may still know an old one
+        self.restore_tensors: dict | None = None
+
+    def new_group(self, pool: ServerPool, members: list[str]) -> WeightGroup:
+        self.count += 1
+        return WeightGroup(pool, f"megamu-{pool.run_id}-{self.count}", members)
+
+    def broadcast_group(self, pool: ServerPool) -> WeightGroup:
+        if self.group is not None and self.stale:
+            self.close()
+        if self.group is None:
+            self.group, self.stale = self.new_group(pool, pool.control_urls), False
+        return self.group
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
 def push_tensors(engine, state_dict: dict, version: str, urls: list[str] | None = None) -> tuple[int, str]:
     """Send ``state_dict`` to the servers ``urls`` (default: all of the engine's) by the transport their placement
-    takes (tensor_sync.transport); (bytes sent, the sync's mode). A broadcast to all servers reuses one group, made
-    again after a server died (its side of the group went with it); one to a few servers (a restarted one) has a
-    group of its own for that push."""
-    if transport(engine.config.shares_trainer_devices, engine.config.sync_backend) == "tensor":
-        return send_tensors(engine, state_dict, version, urls), "memory (tensor)"
-
-    def new_group(members: list[str]) -> WeightGroup:
-        engine._sync_count += 1  # a fresh name: the servers may still know an old group's
-        return WeightGroup(engine, f"megamu-{engine._run_id}-{engine._sync_count}", members)
-
-    if urls is not None and list(urls) != engine.control_urls:
-        group = new_group(urls)
+    takes (tensor_sync.transport); (bytes sent, the sync's mode). A broadcast to all servers reuses one group
+    (``WeightSync``); one to a few servers (a restarted one) has a group of its own for that push."""
+    pool, sync = engine.pool, engine.sync
+    if transport(pool.config.shares_trainer_devices, pool.config.sync_backend) == "tensor":
+        return send_tensors(pool, state_dict, version, urls), "memory (tensor)"
+    if urls is not None and list(urls) != pool.control_urls:
+        group = sync.new_group(pool, urls)
         try:
             return group.send(state_dict, version), "memory"
         finally:
             group.close()
-    if engine._sync is not None and engine._sync_stale:
-        engine._sync.close()
-        engine._sync = None
-    if engine._sync is None:
-        engine._sync, engine._sync_stale = new_group(engine.control_urls), False
-    return engine._sync.send(state_dict, version), "memory"
+    return sync.broadcast_group(pool).send(state_dict, version), "memory"
 
 
 def host_copy(state_dict: dict, into: dict | None = None) -> dict:
@@ -243,7 +262,7 @@ def host_copy(state_dict: dict, into: dict | None = None) -> dict:
 class SyncReport:
     """One weight sync, for the metrics."""
 
-    mode: str  # "disk" | "memory" | "memory (tensor)" | "memory (tensor, per node)" (loop/staged.py) | "confirm"
+    mode: str  # "disk" | "memory" | "memory (tensor)" | "memory (tensor, per node)" (colocated.py) | "confirm"
     seconds: float
     version: str
     bytes: int = 0  # sent in memory
@@ -265,11 +284,11 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
         new = ModelLayout.from_folder(hf_dir)
         if running is not None:
             check_layout(new, running, engine.server_dtype, f"weights in {hf_dir}")
-        engine._post_all("/update_weights_from_disk",
-                         {"model_path": str(hf_dir), "flush_cache": True, "weight_version": version},
-                         f"weight update from {hf_dir}")
+        engine.pool.post_all("/update_weights_from_disk",
+                             {"model_path": str(hf_dir), "flush_cache": True, "weight_version": version},
+                             f"weight update from {hf_dir}")
         engine.layout, sent, mode = new, 0, "disk"
-        engine.restore_tensors = None
+        engine.sync.restore_tensors = None
     else:
         if running is None:
             raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
@@ -283,8 +302,8 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
             engine.weight_version = f"{version} (incomplete sync)"
             raise
         # a restarted server loads its launch folder, then these (health.py); none kept when none is restarted
-        engine.restore_tensors = (host_copy(state_dict, engine.restore_tensors) if engine.config.max_restarts
-                                  else None)
+        sync = engine.sync
+        sync.restore_tensors = host_copy(state_dict, sync.restore_tensors) if engine.config.max_restarts else None
     report = confirm_weights(engine, version, probe, folder=hf_dir)
     return SyncReport(mode, time.monotonic() - t0, version, sent, report.probe_mean_abs_diff)
 
@@ -296,7 +315,7 @@ def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) ->
 
     t0, version = time.monotonic(), str(version)
     try:
-        infos = [engine._call(u, "/model_info", None, timeout=60.0) or {} for u in engine.control_urls]
+        infos = [engine.pool.call(u, "/model_info", None, timeout=60.0) or {} for u in engine.control_urls]
     except RuntimeError as e:  # a router may not forward /model_info; the samples' versions are still checked
         if getattr(e, "status", None) != 404:
             raise
@@ -313,19 +332,19 @@ def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) ->
 def restore_weights(engine, url: str) -> None:
     """Give server ``url`` the weights of the engine's last sync when it serves others (a restart loads the launch
     folder): the folder of the last disk sync, or the host copy of the last in-memory push."""
-    served = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
+    served = str((engine.pool.call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
     if engine.weight_version is None or served == str(engine.weight_version):
         return
     if engine.weights_folder is not None:
-        engine._post_with_retries([url], "/update_weights_from_disk",
-                                  {"model_path": engine.weights_folder, "flush_cache": True,
-                                   "weight_version": engine.weight_version}, f"restoring the weights of {url}")
-    elif engine.restore_tensors is not None:
-        push_tensors(engine, engine.restore_tensors, str(engine.weight_version), urls=[url])
+        engine.pool.post_with_retries([url], "/update_weights_from_disk",
+                                      {"model_path": engine.weights_folder, "flush_cache": True,
+                                       "weight_version": engine.weight_version}, f"restoring the weights of {url}")
+    elif engine.sync.restore_tensors is not None:
+        push_tensors(engine, engine.sync.restore_tensors, str(engine.weight_version), urls=[url])
     else:
         raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
                           "memory by another process: that process restores it")
-    after = str((engine._call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
+    after = str((engine.pool.call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
     if after != str(engine.weight_version):
         raise SGLangError(f"after restoring its weights it reports version {after}, not {engine.weight_version}")
 

@@ -1,4 +1,4 @@
-"""One "node" of a two-node staged stage (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous): StageEngine starts
+"""One "node" of a two-node staged stage (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous): the lifecycle starts
 a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
 its own servers before going on.
 
@@ -19,13 +19,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megamu import parallel
+from megamu.data.prompts import stop_token_ids
 from megamu.engines import EngineConfig
+from megamu.engines.lifecycle import EngineLifecycle, make_lifecycle
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.launch import SGLangConfig
-from megamu.loop.staged import StageEngine
 from megamu.metrics import MetricsLogger
-from megamu.reward.config import RewardConfig
+from megamu.reward.config import RewardConfig, make_scorer
 from megamu.rollout import RolloutConfig
+from megamu.rollout.phase import run_rollout_phase
 from megamu.run_dir import RunDir
 from megamu.weights import Weights
 from tests.rollout.test_phase import make_prompts
@@ -38,22 +40,36 @@ def kill_after_first_shard(first_shard: Path, pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def colocated(stages: StageEngine, model_dir: str, model_dir_2: str, record: str, node: int, tok, sync: str) -> None:
-    stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
-    stages.generate(0, make_prompts(tok), 0)
+def generate(stages: EngineLifecycle, stage: int, tok, version: int, rollout: RolloutConfig, run: RunDir) -> None:
+    """As train_staged: the engine's memory back, the engine up (every rank), rank 0 writes the stage."""
+    stages.onload()
+    stages.start(stage)
+    if dist.get_rank() == 0:
+        scorer = make_scorer(rollout.reward)
+        run_rollout_phase(stages.engine, make_prompts(tok), run.stage_rollouts(stage),
+                          sampling=rollout.sampling(stage, stop_token_ids(tok)),
+                          n_samples=rollout.n_samples, scorer=scorer, tokenizer=tok, stage=stage,
+                          policy_version=version, groups_per_shard=rollout.groups_per_shard)
+        scorer.close()
+
+
+def colocated(stages: EngineLifecycle, model_dir: str, model_dir_2: str, record: str, node: int, tok, sync: str,
+              rollout: RolloutConfig, run: RunDir) -> None:
+    stages.update_weights(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    generate(stages, 0, tok, 0, rollout, run)
     pids, urls = stages.node.pids, stages.node.urls
-    stages.release()  # the servers stay up
+    stages.offload()  # the servers stay up
     want = stages.wants()
     assert want.folder == (sync == "disk") and want.every_node == (sync == "tensor"), want
     holds = parallel.is_node_main() if want.every_node else dist.get_rank() == 0  # as Policy.engine_weights
     tensors = ({k: v.clone() for k, v in LocalEngine(model_dir_2).model.state_dict().items()}
                if want.tensors and holds else None)
-    stages.load(Weights(version=1, hf_dir=Path(model_dir_2) if want.folder else None, tensors=tensors), 1)
+    stages.update_weights(Weights(version=1, hf_dir=Path(model_dir_2) if want.folder else None, tensors=tensors), 1)
     node_version = stages.node.weight_version
-    stages.generate(1, make_prompts(tok), 1)
+    generate(stages, 1, tok, 1, rollout, run)
     kept = stages.node.pids == pids
-    stages.release()
-    stages.close()  # after rank 0 is done with every node's servers
+    stages.offload()
+    stages.stop()  # after rank 0 is done with every node's servers
     gone = not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     Path(record, f"node{node}.json").write_text(json.dumps({"node": node, "rank": dist.get_rank(), "kept": kept,
                                                             "gone": gone, "urls": urls, "node_version": node_version}))
@@ -73,17 +89,16 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
     rollout = RolloutConfig(n_samples=2, max_new_tokens=8, groups_per_shard=2,
                             reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
     tok = build_char_tokenizer()
-    stages = StageEngine("colocated" if mode == "colocated" else "staged",
-                         EngineConfig(kind="sglang", dtype="float32", sglang=cfg), rollout,
-                         RunDir(Path(record) / "run"), tok,
-                         metrics=MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0),
-                         held_out=[])
+    run = RunDir(Path(record) / "run")
+    metrics = MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0)
+    engine = EngineConfig(kind="sglang", dtype="float32", sglang=cfg)
+    stages = make_lifecycle("colocated" if mode == "colocated" else "staged", engine, metrics.log)
     if mode == "colocated":
-        colocated(stages, model_dir, model_dir_2, record, node, tok, sync)
+        colocated(stages, model_dir, model_dir_2, record, node, tok, sync, rollout, run)
         dist.destroy_process_group()
         return
     kill = mode == "kill"
-    stages.load(Weights(version=0, hf_dir=Path(model_dir)), 0)
+    stages.update_weights(Weights(version=0, hf_dir=Path(model_dir)), 0)
     killed = []
     if kill and node == 1:  # the servers start inside generate: watch for them from a thread
         def arm():
@@ -92,16 +107,16 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
             killed.append(stages.node.pids[0])
             kill_after_first_shard(Path(record) / "run" / "rollouts" / "stage_0" / "shard-00000.parquet", killed[0])
         threading.Thread(target=arm, daemon=True).start()
-    stages.generate(0, make_prompts(tok), 0)
-    parallel.wait_for_main_rank()  # rank 0's phase is over (release waits here too): what did each side see?
+    generate(stages, 0, tok, 0, rollout, run)
+    parallel.wait_for_main_rank()  # rank 0's phase is over (offload waits here too): what did each side see?
     pids = killed + stages.node.pids
     seen = {"node": node, "rank": dist.get_rank(), "urls": stages.node.urls, "pids": pids,
             "node_events": stages.node.health_events,
             "dispatcher_events": stages.engine.health_events if stages.engine is not None else []}
-    stages.release()  # returns once this node's servers are gone
+    stages.offload()  # returns once this node's servers are gone
     seen["alive_after_release"] = [p for p in pids if os.path.exists(f"/proc/{p}") and
                                    open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    stages.close()
+    stages.stop()
     Path(record, f"node{node}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
 

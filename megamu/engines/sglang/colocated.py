@@ -1,0 +1,137 @@
+"""Colocated SGLang across the stages (megamu.engines.lifecycle): servers started once, refreshed in place.
+
+Stage 0 starts the servers from θ_0's HF folder; later stages push θ_k from a folder (--weight-sync disk: every
+node's servers read it) or in memory, broadcast from rank 0 or, for servers on the trainer's GPUs over several nodes,
+pushed by each node to its own servers (CUDA IPC handles open only on their own host; slime's colocated update does
+the same). Each push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync"
+record. Servers on the trainer's GPUs (--sglang-memory-saver) give their memory back while the trainer trains and
+take it again around the push (memory.py): weights first, the KV cache once the pushed tensors are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megamu import parallel
+from megamu.engines import EngineConfig
+from megamu.engines.lifecycle.base import LifecycleBase, Log, WeightRequest
+from megamu.engines.sglang import memory
+from megamu.engines.sglang.schema import SGLangError
+from megamu.engines.sglang.tensor_sync import transport
+from megamu.engines.sglang.weight_sync import SyncReport, check_probe
+from megamu.weights import Weights
+
+
+class ColocatedSGLang(LifecycleBase):
+    def __init__(self, cfg: EngineConfig, log: Log | None = None, probe_ids: list[int] | None = None):
+        super().__init__(cfg, log, probe_ids)
+        self.warm = False  # every rank: the servers are up (after stage 0)
+        self.saves_memory = cfg.sglang.memory_saver  # servers that take turns with the trainer for the GPU's memory
+        self.released: tuple[str, ...] = ()  # what they have given back now
+        self.report = None  # (stage, SyncReport) of the last push, logged once its probe is checked
+        self.pending = None  # the probe of a push into servers that released their KV cache, checked by onload()
+        sglang = cfg.sglang
+        self.memory_sync = sglang.weight_sync == "memory"
+        # in-memory pushes as tensors over several nodes: each node pushes to its own servers; a broadcast (servers
+        # on GPUs of their own, or gloo) goes from rank 0 to every node's servers in one group
+        self.every_node = self.memory_sync and self.spread and transport(
+            sglang.shares_trainer_devices, sglang.sync_backend) == "tensor"
+
+    def wants(self) -> WeightRequest:
+        if not self.warm:
+            return WeightRequest(folder=True)
+        return WeightRequest(folder=not self.memory_sync, tensors=self.memory_sync, every_node=self.every_node,
+                             probe_ids=self.probe_ids)
+
+    def update_weights(self, weights: Weights, stage: int) -> None:
+        """A push into the running servers (rank 0; each node's local rank 0 for per-node pushes)."""
+        super().update_weights(weights, stage)
+        if self.warm and self.every_node:  # the same on every rank: all take part
+            return self._push_per_node(weights, stage)
+        if not self.warm or not parallel.is_main_rank():
+            return
+        self._resume(memory.WEIGHTS)  # the push lands in the servers' own weight memory
+        # servers without their KV cache cannot run the probe: it waits for onload()
+        probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
+        hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
+        report = self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
+                                            probe=probe)
+        self.report = (stage, report)
+        if self.pending is None:
+            self._log_sync()
+
+    def _push_per_node(self, weights: Weights, stage: int) -> None:
+        """Each node's local rank 0 pushes the tensors it gathered to its own servers; then rank 0 checks that every
+        server reports the new version (and the probe) and logs one sync for all. A failure on any node raises on
+        every rank, naming the node's rank, so none waits for the others."""
+        if parallel.is_main_rank():
+            self._resume(memory.WEIGHTS)  # every node's servers take their weight memory back first
+        parallel.wait_for_main_rank()
+        error, sent, seconds = "", 0, 0.0
+        if self.node is not None:
+            try:
+                r = self.node.update_weights(state_dict=weights.tensors, version=weights.version)
+                sent, seconds = r.bytes, r.seconds
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+        pushed = parallel.all_gather_object((error, sent, seconds), wait=True)
+        errors = [e for e, _, _ in pushed if e]
+        if errors:
+            raise SGLangError("the in-memory weight push failed on some nodes:\n" + "\n".join(errors))
+        if not parallel.is_main_rank():
+            return
+        probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
+        confirmed = self.engine.adopt_weights(weights.version, probe)
+        self.report = (stage, SyncReport("memory (tensor, per node)", max(s for _, _, s in pushed) + confirmed.seconds,
+                                         confirmed.version, sum(b for _, b, _ in pushed),
+                                         confirmed.probe_mean_abs_diff))
+        if self.pending is None:
+            self._log_sync()
+
+    def onload(self) -> None:
+        """The servers' KV cache and CUDA graphs back once the trainer has offloaded; then the push's probe (rank 0)."""
+        if not parallel.is_main_rank():
+            return
+        self._resume(*memory.ALL)
+        if self.pending is not None:
+            stage, report = self.report
+            self.report = (stage, replace(report, probe_mean_abs_diff=check_probe(self.engine, self.pending)))
+            self.pending = None
+            self._log_sync()
+
+    def _log_sync(self) -> None:
+        stage, r = self.report
+        self.log("sync", step=stage, stage=stage, mode=r.mode, t_sync=r.seconds, bytes=r.bytes,
+                 weight_version=r.version, probe_mean_abs_diff=r.probe_mean_abs_diff)
+
+    def start(self, stage: int) -> None:
+        """Stage 0 starts the servers (restarts load its export, so the loop keeps it until stop()); later stages
+        turn a node's own probes back on for the rollout."""
+        if not self.warm:
+            self._launch()
+            if not self.cfg.sglang.urls:
+                self.launch_stage = stage
+        elif self.node is not None:
+            self.node.watching(True)
+
+    def offload(self) -> None:
+        """D_k is written: the servers stay up for the next push, their memory given back when they share the GPUs."""
+        if self.spread:  # every node's servers serve until rank 0 is done with them (its phase and evaluation)
+            parallel.wait_for_main_rank()
+            if self.node is not None:
+                self.node.watching(False)  # pushes come next: a server busy loading one may miss its probes
+        if self.saves_memory and self.engine is not None and not self.released:
+            memory.release(self.engine.pool, memory.ALL)
+            self.released = memory.ALL
+        self.warm = True
+
+    def _resume(self, *tags: str) -> None:
+        todo = tuple(t for t in self.released if t in tags)
+        if todo:
+            memory.resume(self.engine.pool, todo)
+            self.released = tuple(t for t in self.released if t not in todo)
+
+    def stop(self) -> None:
+        if self.spread:  # every node's servers serve rank 0's final evaluation
+            parallel.wait_for_main_rank()
+        self._shutdown()

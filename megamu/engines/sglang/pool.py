@@ -1,0 +1,129 @@
+"""The SGLang servers an engine talks to, and the control calls it makes to them (health, info, weight syncs, memory).
+
+``ServerPool`` is what the engine's sibling modules share: the servers' URLs (those requests go to, and those weight
+syncs, memory calls and probes go to: the same, except behind a router), the API key, the processes of servers megamu
+launched, and the control calls over urllib in a small thread pool. /generate requests do not go through here: they
+take the asyncio transport (transport.py), watched by health.py.
+Every call is retried with exponential backoff on connection errors and 5xx, never on a timeout (a retry would redo a
+long generation) or a 4xx.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.schema import SGLangError
+from megamu.engines.sglang.transport import attempt_body
+
+# Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerPool:
+    """Servers' URLs, key and processes, and the calls to them."""
+
+    def __init__(self, config: SGLangConfig, api_key: str | None):
+        self.config, self.api_key = config, api_key
+        self.urls: list[str] = []  # where requests go (servers, or a router)
+        self.control_urls: list[str] = []  # where weight syncs, memory calls and probes go: the servers themselves
+        self.procs: list = []  # processes of the servers megamu launched (index i serves urls[i])
+        self.run_id = uuid.uuid4().hex[:8]  # in request ids and weight-group names: this engine's, not another's
+        self.router_workers: list[tuple[str, str]] = []  # (router, worker id) pairs this engine added (nodes.py)
+        self.executor: ThreadPoolExecutor | None = None  # control calls to every server at once (``post_all``)
+
+    def open_control(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def call(self, url: str, path: str, body: dict | None, timeout: float, method: str | None = None):
+        """One request, no retry; 5xx raise ConnectionError (retried by ``post_with_retries``), 4xx SGLangError."""
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, headers=headers,
+                                     method=method or ("GET" if body is None else "POST"))
+        try:
+            with _OPENER.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:500].decode(errors="replace")
+            if e.code >= 500:
+                raise ConnectionError(f"{url}{path}: HTTP {e.code}: {detail}") from e
+            raise SGLangError(f"{url}{path}: HTTP {e.code}: {detail}", status=e.code) from e
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # a plain-text answer (sglang-router's /health: "OK")
+            return raw.decode(errors="replace")
+
+    def get_or_none(self, url: str, path: str):
+        try:
+            return self.call(url, path, None, timeout=30.0)
+        except (SGLangError, OSError, http.client.HTTPException, ValueError):
+            return None
+
+    def post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
+        """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.
+
+        A 4xx is never retried: the server refused this request, and would refuse it again.
+        A retry gets fresh request ids: SGLang answers 400 "Duplicate request ID" while the failed attempt is still
+        known to the server (a dropped connection is only noticed after a while)."""
+        delay = self.config.backoff_s
+        retries, timeout = self.config.max_retries, self.config.request_timeout_s
+        for attempt in range(retries + 1):
+            url = urls[attempt % len(urls)]
+            try:
+                return self.call(url, path, attempt_body(body, attempt), timeout=timeout)
+            except SGLangError as e:
+                raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
+            except TimeoutError as e:
+                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
+            except urllib.error.URLError as e:
+                if isinstance(e.reason, TimeoutError):
+                    raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
+                error = e
+            except (ConnectionError, http.client.HTTPException, OSError) as e:
+                error = e
+            if attempt == retries:
+                raise SGLangError(f"{what}: failed after {retries + 1} attempts: {error}") from error
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    def post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None) -> list:
+        """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
+        failed. A router's workers are reached directly: weight syncs are not routed."""
+        urls = self.control_urls if urls is None else urls
+        futures = [self.executor.submit(self.post_with_retries, [u], path, body, f"{what} on {u}") for u in urls]
+        outs = [f.result() for f in futures]
+        for url, out in zip(urls, outs):
+            if isinstance(out, dict) and out.get("success") is False:
+                raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
+        return outs
+
+    def leave_routers(self) -> None:
+        """Remove the workers this engine added to routers, before the servers stop: no request goes there."""
+        for router, worker in self.router_workers:
+            try:
+                self.call(router, f"/workers/{urllib.parse.quote(worker, safe='')}", None, timeout=30.0,
+                          method="DELETE")
+            except (SGLangError, OSError, http.client.HTTPException):
+                pass  # the router drops a worker that stopped answering anyway
+        self.router_workers = []
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)

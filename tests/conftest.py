@@ -1,5 +1,7 @@
 import pytest
 
+from tests.tiny import save_tiny_model
+
 
 @pytest.fixture(scope="session")
 def distributed():
@@ -13,3 +15,19 @@ def distributed():
     parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device.detect())
     yield
     parallel.destroy_distributed()
+
+
+# Tiny HF models on disk, made once per session (per xdist worker) for the engine and rollout tests.
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_2(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_llama_2"), "llama", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1))

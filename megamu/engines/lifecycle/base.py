@@ -99,14 +99,15 @@ class LifecycleBase:
         elif parallel.is_main_rank():
             self.engine = build_engine(self.cfg, self.hf_dir)
 
-    def _resume(self, *tags: str) -> None:
-        """Memory the servers gave back, taken again (only servers that save memory give any back)."""
+    def _weights_back(self) -> None:
+        """Before a push: weight memory the servers gave back, taken again (only servers that save memory give any
+        back)."""
 
     def eval_engine(self, weights: Weights | None = None) -> Engine:
         if weights is not None and self.engine is not None:
-            self._resume("weights")
+            self._weights_back()
             self.engine.update_weights(hf_dir=str(weights.hf_dir), version=weights.version)
-            self._resume("kv_cache", "weights", "cuda_graph")
+            self.onload()  # the rest of the engine's memory back
         elif weights is not None:
             self.engine = build_engine(self.cfg, weights.hf_dir)
         return self.engine

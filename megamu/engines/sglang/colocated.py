@@ -50,7 +50,7 @@ class ColocatedSGLang(LifecycleBase):
             return self._push_per_node(weights, stage)
         if not self.warm or not parallel.is_main_rank():
             return
-        self._resume(memory.WEIGHTS)  # the push lands in the servers' own weight memory
+        self._weights_back()  # the push lands in the servers' own weight memory
         # servers without their KV cache cannot run the probe: it waits for onload()
         probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
         hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
@@ -65,7 +65,7 @@ class ColocatedSGLang(LifecycleBase):
         server reports the new version (and the probe) and logs one sync for all. A failure on any node raises on
         every rank, naming the node's rank, so none waits for the others."""
         if parallel.is_main_rank():
-            self._resume(memory.WEIGHTS)  # every node's servers take their weight memory back first
+            self._weights_back()  # every node's servers take their weight memory back first
         parallel.wait_for_main_rank()
         error, sent, seconds = "", 0, 0.0
         if self.node is not None:
@@ -124,6 +124,9 @@ class ColocatedSGLang(LifecycleBase):
             memory.release(self.engine.pool, memory.ALL)
             self.released = memory.ALL
         self.warm = True
+
+    def _weights_back(self) -> None:
+        self._resume(memory.WEIGHTS)
 
     def _resume(self, *tags: str) -> None:
         todo = tuple(t for t in self.released if t in tags)

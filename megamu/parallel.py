@@ -46,11 +46,18 @@ def init_distributed(
         device.bind(int(os.environ.get("LOCAL_RANK", "0")))
         backend = device.backend
         timeout = _timeout(distributed_timeout_minutes)
+        # Ranks reach the rendezvous apart (imports from a shared filesystem, a loaded node), so it gets at least
+        # RENDEZVOUS_TIMEOUT; the asked timeout then bounds the default group's collectives (set just below).
+        rendezvous = {"timeout": max(timeout["timeout"], RENDEZVOUS_TIMEOUT)} if timeout else {}
         if "RANK" in os.environ:  # torchrun
-            dist.init_process_group(backend, **timeout)
+            dist.init_process_group(backend, **rendezvous)
         else:  # plain python: a world of one on a free local port, without touching the env of child processes
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    **timeout)
+                                    **rendezvous)
+        if timeout:
+            # torch 2.13 distributed_c10d.py:1616: sets the timeout of the group's gloo/NCCL backends after init
+            # (tests/training/test_parallel.py checks that a plain barrier then times out at the short bound)
+            dist.distributed_c10d._set_pg_timeout(timeout["timeout"])
     if _wait_group is None:
         _init_wait_group()
     world = dist.get_world_size()
@@ -84,6 +91,8 @@ def _megatron_timeout(minutes: float | None) -> dict:
     return {} if minutes is None else {"distributed_timeout_minutes": minutes}  # a float works (timedelta)
 
 
+# How long the first rendezvous waits for every rank at least, whatever --distributed-timeout-minutes says.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 # A rollout on rank 0 can take hours (262k samples per stage in the paper's setting); this only bounds a dead rank 0.
 MAIN_RANK_WAIT_TIMEOUT = timedelta(days=2)
 _wait_group: dist.ProcessGroup | None = None

@@ -113,7 +113,7 @@ class WeightRestorer(Protocol):
         """Whether they can be given to a restarted server (else it is not restarted)."""
 
     def restore_weights(self, url: str) -> None:
-        """Give them to server ``url``, if it serves others; raises when it cannot."""
+        """Give them to server ``url`` when it serves other weights; raises when it cannot."""
 
 
 class Supervisor:

@@ -36,7 +36,6 @@ from megamu.engines.sglang.health import ServerState, Supervisor, wait_for_serve
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
-    launch_servers,
     stop_processes,
 )
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
@@ -50,6 +49,7 @@ from megamu.engines.sglang.weight_sync import (
     confirm_weights,
     restore_weights,
     sync_weights,
+    weights_restorable,
 )
 from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
 
@@ -80,22 +80,22 @@ class SGLangEngine:
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         self.keeps = False  # watches and restarts its servers for a dispatcher on another rank (keep_alive)
-        self.hf_dir, self.log_dir, logs = hf_dir, None, []
+        self.hf_dir, logs = hf_dir, []
         if cfg.urls:
-            self.urls = [u.rstrip("/") for u in cfg.urls]
+            self.pool.urls = [u.rstrip("/") for u in cfg.urls]
         else:
             if hf_dir is None:
                 raise ValueError("SGLangEngine needs hf_dir (to launch servers) or urls (--sglang-url)")
             self.pool.api_key = self.pool.api_key or secrets.token_hex(16)
-            self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
+            log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(hf_dir).parent / "sglang_logs"
             try:
-                self.urls, logs = launch_servers(cfg, str(hf_dir), self.api_key, self.pool.procs, self.log_dir)
+                logs = self.pool.launch(str(hf_dir), log_dir)
             except (PortInUse, OSError) as e:
                 self.shutdown()
                 raise SGLangError(str(e)) from e
         self._wait_healthy(logs, model_path=None if cfg.urls else str(hf_dir))
         # where weight syncs, memory calls and probes go: the servers themselves, also behind a router (nodes.py)
-        self.control_urls = list(self.urls)
+        self.pool.control_urls = list(self.urls)
         if cfg.deterministic and self.deterministic is not True:
             self.shutdown()
             raise SGLangError("deterministic rollouts were asked for, but the servers at "
@@ -111,8 +111,8 @@ class SGLangEngine:
         self._transport = AsyncTransport(headers)
         servers = [ServerState(u, i, self.pool.procs[i] if self.launched else None, logs[i] if logs else None)
                    for i, u in enumerate(self.urls)]
-        self._health = Supervisor(self, servers, Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities]),
-                                  self._transport)
+        self._health = Supervisor(self.pool, self.sync, self, servers,
+                                  Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities]), self._transport)
         print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
               + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
 
@@ -122,7 +122,7 @@ class SGLangEngine:
         try:
             ready = wait_for_servers(lambda u, p, b, t: self.pool.call(u, p, b, timeout=t), self.urls, self.pool.procs,
                                      logs, timeout, given=bool(self.config.urls))
-            self.urls = [self.urls[i] for i in ready]  # given servers that never answered are left out, named
+            self.pool.urls = [self.urls[i] for i in ready]  # given servers that never answered are left out, named
             infos = [self.check_server(url, model_path) for url in self.urls]
         except SGLangError:
             self.shutdown()
@@ -194,9 +194,10 @@ class SGLangEngine:
     def pids(self) -> list[int]:
         return self.pool.pids
 
-    # the pool's: what requests, weight syncs and memory calls go to (nodes.py points control_urls past a router)
-    urls = property(lambda self: self.pool.urls, lambda self, v: setattr(self.pool, "urls", v))
-    control_urls = property(lambda self: self.pool.control_urls, lambda self, v: setattr(self.pool, "control_urls", v))
+    # the pool's, read here: what requests, weight syncs and memory calls go to (set on the pool: nodes.py points
+    # control_urls past a router)
+    urls = property(lambda self: self.pool.urls)
+    control_urls = property(lambda self: self.pool.control_urls)
     api_key = property(lambda self: self.pool.api_key)
 
     # ---- generation -----------------------------------------------------------------------------------------------
@@ -302,3 +303,8 @@ class SGLangEngine:
     def restore_weights(self, url: str) -> None:
         """Server ``url`` (back from a restart) gets the weights of this engine's last sync, if it serves others."""
         restore_weights(self, url)
+
+    def weights_restorable(self) -> bool:
+        """Whether a restarted server can be given the weights of this engine's last sync (health.py restarts only
+        then)."""
+        return weights_restorable(self)

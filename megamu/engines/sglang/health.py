@@ -33,11 +33,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from megamu.engines.sglang.dispatch import Dispatcher
-from megamu.engines.sglang.launch import launch_server, log_tail, stop_processes
+from megamu.engines.sglang.launch import log_tail, stop_processes
+from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused, Unreachable, attempt_body
+from megamu.engines.sglang.weight_sync import WeightSync
 
 PROGRESS_EVERY_S = 10.0  # a line naming the servers still awaited at start
 
@@ -47,7 +50,7 @@ def wait_for_servers(call, urls: list[str], procs: list, logs: list[Path], timeo
     """Indices of the servers that answer /health within ``timeout_s``, printing every PROGRESS_EVERY_S which are
     still awaited. Launched servers (``given`` False) must all answer, and one that exits fails at once; of given
     servers, the run starts on those that answer and names the others. None answering: SGLangError naming each URL
-    with its error (and log tail). ``call(url, path, body, timeout)`` is the engine's control call."""
+    with its error (and log tail). ``call(url, path, body, timeout)`` is the pool's control call."""
     t0 = time.monotonic()
     pending, errors, next_line = list(range(len(urls))), {}, t0 + PROGRESS_EVERY_S
     describe = lambda i: f"{urls[i]} ({errors.get(i, 'no answer')})" + (
@@ -103,11 +106,25 @@ class ServerState:
     inflight: set = field(default_factory=set)  # the asyncio tasks of its requests now
 
 
-class Supervisor:
-    """Sends each request to a live server and watches them all; lives on the transport's event loop."""
+class WeightRestorer(Protocol):
+    """The weights a server back from a restart must serve: those of the engine's last sync (weight_sync.py)."""
 
-    def __init__(self, engine, servers: list[ServerState], dispatcher: Dispatcher, transport: AsyncTransport):
-        self.engine, self.cfg = engine, engine.config
+    def weights_restorable(self) -> bool:
+        """Whether they can be given to a restarted server (else it is not restarted)."""
+
+    def restore_weights(self, url: str) -> None:
+        """Give them to server ``url`` when it serves other weights; raises when it cannot."""
+
+
+class Supervisor:
+    """Sends each request to a live server and watches them all; lives on the transport's event loop.
+
+    It launches again the dead servers of ``pool`` that megamu launched, marks ``sync``'s group stale when a server
+    dies, and gives a restarted or rejoining server the last sync's weights through ``weights``."""
+
+    def __init__(self, pool: ServerPool, sync: WeightSync, weights: WeightRestorer, servers: list[ServerState],
+                 dispatcher: Dispatcher, transport: AsyncTransport):
+        self.pool, self.sync, self.weights, self.cfg = pool, sync, weights, pool.config
         self.servers, self.dispatcher, self.transport = servers, dispatcher, transport
         self.fatal: SGLangError | None = None
         # A node's own engine on another rank than the dispatcher's (nodes.py): nothing is sent through it, so it
@@ -208,7 +225,7 @@ class Supervisor:
         if status >= 500 or st.alive or self.fatal is not None:
             return
         try:  # restarted from its launch folder, it may hold older weights than this engine pushed since
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.restore_weights, st.url)
+            await asyncio.get_running_loop().run_in_executor(None, self.weights.restore_weights, st.url)
         except (SGLangError, OSError, http.client.HTTPException, ValueError) as e:
             print(f"[sglang] server {st.url} answers again but cannot take requests: {e}", flush=True)
             return
@@ -245,7 +262,7 @@ class Supervisor:
         if not st.alive:
             return
         st.alive, st.misses = False, 0
-        self.engine.sync.stale = True  # its side of an in-memory sync group is gone, or will be after a restart
+        self.sync.lost_server()  # its side of an in-memory sync group is gone, or will be after a restart
         self.dispatcher.set_alive(i, False)
         moved = list(st.inflight)
         for task in moved:
@@ -257,7 +274,7 @@ class Supervisor:
               "servers", flush=True)
         if self.fatal is not None:
             return
-        if st.proc is not None and self._weights_restorable() and st.restarts < self.cfg.max_restarts:
+        if st.proc is not None and self.weights.weights_restorable() and st.restarts < self.cfg.max_restarts:
             st.restarting = True
             st.restarts += 1
             future = asyncio.get_running_loop().run_in_executor(self._restarter, self._restart, i)
@@ -284,32 +301,22 @@ class Supervisor:
         """Best effort: a server declared dead that still runs its requests (moved elsewhere) stops them, so a slow
         server is not kept busier with work whose answers nobody reads (SGLang's /abort_request, abort_all)."""
         try:
-            self.engine.pool.call(url, "/abort_request", {"abort_all": True}, timeout=self.cfg.probe_timeout_s)
+            self.pool.call(url, "/abort_request", {"abort_all": True}, timeout=self.cfg.probe_timeout_s)
             self.events.append({"event": "aborted", "url": url, "time": time.time()})
         except (SGLangError, OSError, http.client.HTTPException, ValueError):
             pass  # dead indeed, or hung: nothing to stop, or nothing that listens
 
     # ---- restarts ---------------------------------------------------------------------------------------------
-    def _weights_restorable(self) -> bool:
-        """A restarted server loads the launch folder: right if no sync came since, or else the last sync's weights
-        are pushed again, from its folder or from the host copy of an in-memory push (weight_sync.py)."""
-        engine = self.engine
-        return (engine.weight_version == engine.launch_version or engine.weights_folder is not None
-                or engine.sync.restore_tensors is not None)
-
     def _restart(self, i: int) -> float:
         """Stop what is left of server ``i``, start it again, wait for /health, restore the weights; seconds."""
-        t0, st, engine = time.monotonic(), self.servers[i], self.engine
+        t0, st = time.monotonic(), self.servers[i]
         stop_processes([st.proc], grace_s=0.0)  # SIGKILL the group: a stopped (hung) server ignores SIGTERM
         with self._launch_lock:
             if self._closing:
                 raise SGLangError("the engine is shutting down")
-            proc, log = launch_server(self.cfg, engine.hf_dir, engine.api_key, st.index, engine.log_dir,
-                                      restart=st.restarts)
-            engine.pool.procs[i] = proc  # stopped with the others at shutdown
-            st.proc, st.log = proc, log
-        wait_for_servers(engine.pool.call, [st.url], [proc], [log], self.cfg.startup_timeout_s, given=False)
-        engine.restore_weights(st.url)  # samples of other weights than the last sync's would be refused
+            st.proc, st.log = self.pool.relaunch(st.index, restart=st.restarts)
+        wait_for_servers(self.pool.call, [st.url], [st.proc], [st.log], self.cfg.startup_timeout_s, given=False)
+        self.weights.restore_weights(st.url)  # samples of other weights than the last sync's would be refused
         return time.monotonic() - t0
 
     def _restarted(self, i: int, future) -> None:

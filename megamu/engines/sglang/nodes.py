@@ -21,6 +21,7 @@ from dataclasses import replace
 from megamu import parallel
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
 from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.pool import ServerPool
 
 
 def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | None, SGLangEngine | None]:
@@ -76,8 +77,8 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
     try:
         engine = SGLangEngine(None, replace(cfg, urls=[router], router=None))
         for url in urls:
-            join_router(engine, router, url)
-        engine.control_urls = list(urls)  # weight syncs, memory calls and probes go to the servers, not the router
+            join_router(engine.pool, router, url)
+        engine.pool.control_urls = list(urls)  # weight syncs, memory calls and probes go to the servers, not the router
         engine.read_limits([engine.check_server(u, None) for u in urls], None)  # the servers' model, not the router's
         engine.refresh_capacities()  # the router's capacity: the sum of its workers', now ours
     except BaseException:
@@ -87,12 +88,12 @@ def through_router(cfg: SGLangConfig, urls: list[str]) -> SGLangEngine:
     return engine
 
 
-def join_router(engine: SGLangEngine, router: str, url: str, timeout_s: float = 60.0) -> None:
-    """Add server ``url`` to sglang-router ``router``'s workers until ``engine`` shuts down, and wait until the
-    router lists it healthy (sglang-router >= 0.3: ``POST /workers`` queues the addition, with the server's API
-    key for the router's own calls to it; ``DELETE /workers/<id>`` at shutdown)."""
+def join_router(pool: ServerPool, router: str, url: str, timeout_s: float = 60.0) -> None:
+    """Add server ``url`` to sglang-router ``router``'s workers until ``pool`` leaves its routers (its engine's
+    shutdown), and wait until the router lists it healthy (sglang-router >= 0.3: ``POST /workers`` queues the
+    addition, with the server's API key for the router's own calls to it; ``DELETE /workers/<id>`` at shutdown)."""
     try:
-        added = engine.pool.call(router, "/workers", {"url": url, "api_key": engine.api_key}, timeout=60.0) or {}
+        added = pool.call(router, "/workers", {"url": url, "api_key": pool.api_key}, timeout=60.0) or {}
     except SGLangError as e:
         if e.status in (404, 405):
             raise SGLangError(f"{router} has no /workers API: --sglang-router needs sglang-router >= 0.3 "
@@ -100,7 +101,7 @@ def join_router(engine: SGLangEngine, router: str, url: str, timeout_s: float = 
         raise
     deadline = time.monotonic() + timeout_s
     while True:
-        listed = (engine.pool.call(router, "/workers", None, timeout=30.0) or {}).get("workers") or []
+        listed = (pool.call(router, "/workers", None, timeout=30.0) or {}).get("workers") or []
         worker = next((w for w in listed if str(w.get("url", "")).rstrip("/") == url), None)
         if worker is not None and worker.get("is_healthy", True):
             break
@@ -108,4 +109,4 @@ def join_router(engine: SGLangEngine, router: str, url: str, timeout_s: float = 
             raise SGLangError(f"the router {router} did not list {url} as a healthy worker within {timeout_s:.0f}s "
                               f"(it lists {[w.get('url') for w in listed]})")
         time.sleep(0.2)
-    engine.pool.router_workers.append((router, str(added.get("worker_id") or worker.get("id"))))
+    pool.router_workers.append((router, str(added.get("worker_id") or worker.get("id"))))

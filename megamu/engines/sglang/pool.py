@@ -2,7 +2,8 @@
 
 ``ServerPool`` is what the engine's sibling modules share: the servers' URLs (those requests go to, and those weight
 syncs, memory calls and probes go to: the same, except behind a router), the API key, the processes of servers megamu
-launched, and the control calls over urllib in a small thread pool. /generate requests do not go through here: they
+launched with the folder and log folder they were launched from (a restart launches one again the same way), and the
+control calls over urllib in a small thread pool. /generate requests do not go through here: they
 take the asyncio transport (transport.py), watched by health.py.
 Every call is retried with exponential backoff on connection errors and 5xx, never on a timeout (a retry would redo a
 long generation) or a 4xx.
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.launch import SGLangConfig, launch_server, launch_servers
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.transport import attempt_body
 
@@ -35,9 +38,25 @@ class ServerPool:
         self.urls: list[str] = []  # where requests go (servers, or a router)
         self.control_urls: list[str] = []  # where weight syncs, memory calls and probes go: the servers themselves
         self.procs: list = []  # processes of the servers megamu launched (index i serves urls[i])
+        self.hf_dir: str | None = None  # what the launched servers load, and a restarted one again (``relaunch``)
+        self.log_dir: Path | None = None
         self.run_id = uuid.uuid4().hex[:8]  # in request ids and weight-group names: this engine's, not another's
         self.router_workers: list[tuple[str, str]] = []  # (router, worker id) pairs this engine added (nodes.py)
         self.executor: ThreadPoolExecutor | None = None  # control calls to every server at once (``post_all``)
+
+    def launch(self, hf_dir: str, log_dir: Path) -> list[Path]:
+        """Start the config's servers on this node for ``hf_dir``, logging under ``log_dir``; their log files. Each
+        process is in ``procs`` as soon as it starts, so a failed launch still stops those started."""
+        self.hf_dir, self.log_dir = hf_dir, log_dir
+        self.urls, logs = launch_servers(self.config, hf_dir, self.api_key, self.procs, log_dir)
+        return logs
+
+    def relaunch(self, index: int, restart: int) -> tuple[subprocess.Popen, Path]:
+        """Start launched server ``index`` again as ``launch`` did (its place on the node and in ``procs`` are the
+        same: launch numbers them alike), once its old process is stopped; its process and the restart's own log."""
+        proc, log = launch_server(self.config, self.hf_dir, self.api_key, index, self.log_dir, restart=restart)
+        self.procs[index] = proc  # stopped with the others at shutdown
+        return proc, log
 
     def open_control(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=max(4, len(self.urls)), thread_name_prefix="sglang-control")

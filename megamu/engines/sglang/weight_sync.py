@@ -210,6 +210,11 @@ class WeightSync:
         self.count = 0  # groups made so far: each has a fresh name, the servers may still know an old one
         self.restore_tensors: dict | None = None
 
+    def lost_server(self) -> None:
+        """A server died (health.py): its side of the group is gone, or will be after its restart, so the next
+        broadcast makes a new group."""
+        self.stale = True
+
     def new_group(self, pool: ServerPool, members: list[str]) -> WeightGroup:
         self.count += 1
         return WeightGroup(pool, f"megamu-{pool.run_id}-{self.count}", members)
@@ -227,11 +232,11 @@ class WeightSync:
             self.group = None
 
 
-def push_tensors(engine, state_dict: dict, version: str, urls: list[str] | None = None) -> tuple[int, str]:
-    """Send ``state_dict`` to the servers ``urls`` (default: all of the engine's) by the transport their placement
+def push_tensors(pool: ServerPool, sync: WeightSync, state_dict: dict, version: str,
+                 urls: list[str] | None = None) -> tuple[int, str]:
+    """Send ``state_dict`` to the servers ``urls`` (default: all of the pool's) by the transport their placement
     takes (tensor_sync.transport); (bytes sent, the sync's mode). A broadcast to all servers reuses one group
-    (``WeightSync``); one to a few servers (a restarted one) has a group of its own for that push."""
-    pool, sync = engine.pool, engine.sync
+    (``sync``); one to a few servers (a restarted one) has a group of its own for that push."""
     if transport(pool.config.shares_trainer_devices, pool.config.sync_backend) == "tensor":
         return send_tensors(pool, state_dict, version, urls), "memory (tensor)"
     if urls is not None and list(urls) != pool.control_urls:
@@ -295,7 +300,7 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
         new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
         check_layout(new, running, engine.server_dtype, "in-memory weights")
         try:
-            sent, mode = push_tensors(engine, state_dict, version)
+            sent, mode = push_tensors(engine.pool, engine.sync, state_dict, version)
         except BaseException:
             # The servers may hold part of the new weights under the old version: expect a version no server
             # reports, so every sample generated before a successful sync is refused.
@@ -329,6 +334,13 @@ def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) ->
     return SyncReport("confirm", time.monotonic() - t0, version, 0, probe_diff)
 
 
+def weights_restorable(engine) -> bool:
+    """Whether a restarted server, which loads the launch folder, can serve the engine's last sync: no sync came since
+    launch, or ``restore_weights`` has them, from the last disk sync's folder or the host copy of an in-memory push."""
+    return (engine.weight_version == engine.launch_version or engine.weights_folder is not None
+            or engine.sync.restore_tensors is not None)
+
+
 def restore_weights(engine, url: str) -> None:
     """Give server ``url`` the weights of the engine's last sync when it serves others (a restart loads the launch
     folder): the folder of the last disk sync, or the host copy of the last in-memory push."""
@@ -340,7 +352,7 @@ def restore_weights(engine, url: str) -> None:
                                       {"model_path": engine.weights_folder, "flush_cache": True,
                                        "weight_version": engine.weight_version}, f"restoring the weights of {url}")
     elif engine.sync.restore_tensors is not None:
-        push_tensors(engine, engine.sync.restore_tensors, str(engine.weight_version), urls=[url])
+        push_tensors(engine.pool, engine.sync, engine.sync.restore_tensors, str(engine.weight_version), urls=[url])
     else:
         raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
                           "memory by another process: that process restores it")

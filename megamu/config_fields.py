@@ -20,14 +20,18 @@ class FlagSpec:
         return self.argparse.get("dest") or self.names[0].lstrip("-").replace("-", "_")
 
 
-def flag(*names: str, default: Any = MISSING, flag_default: Any = MISSING, help: str | None = None,
-         **argparse: Any) -> Any:
+def flag(*names: str, default: Any = MISSING, default_factory: Any = MISSING, flag_default: Any = MISSING,
+         help: str | None = None, **argparse: Any) -> Any:
     """A config field set by the flag ``names[0]`` (aliases after it). ``argparse``: add_argument's other keywords
     (``action="optional_bool"``: --x / --no-x).
-    The flag's default is the field's, unless ``flag_default`` gives one of its own (e.g. for a field without one)."""
+    The flag's default is the field's, unless ``flag_default`` gives one of its own (e.g. for a field without one).
+    A field made by ``default_factory`` (a list, a dict) needs one: its flag is a string the parser converts."""
+    if default_factory is not MISSING and flag_default is MISSING:
+        raise TypeError(f"{names[0]}: a field with a default_factory needs a flag_default")
     if flag_default is not MISSING:
         argparse["default"] = flag_default
-    return field(default=default, metadata={"flag": FlagSpec(tuple(names), help, argparse)})
+    return field(default=default, default_factory=default_factory,
+                 metadata={"flag": FlagSpec(tuple(names), help, argparse)})
 
 
 def flag_spec(config_cls: type, name: str) -> FlagSpec | None:

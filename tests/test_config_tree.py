@@ -139,6 +139,60 @@ def test_fields_of_one_name_map_to_their_own_flags(path, flag):
     assert flag_of(path) == flag
 
 
+# Every engine field that has a flag, as the flags were written out before they moved onto the fields.
+ENGINE_FLAGS = {
+    "kind": "--rollout-engine", "dtype": "--rollout-dtype", "max_batch_size": "--local-engine-batch-size",
+    **{f"sglang.{name}": flag for name, flag in (
+        ("urls", "--sglang-url"), ("router", "--sglang-router"), ("num_servers", "--sglang-num-servers"),
+        ("tp_size", "--sglang-tp-size"), ("host", "--sglang-host"), ("port_base", "--sglang-port-base"),
+        ("server_python", "--sglang-python"), ("server_env", "--sglang-env"),
+        ("extra_server_args", "--sglang-server-args"), ("url_timeout_s", "--sglang-url-timeout"),
+        ("startup_timeout_s", "--sglang-startup-timeout"), ("probe_period_s", "--rollout-probe-period"),
+        ("probe_timeout_s", "--rollout-probe-timeout"), ("probe_misses", "--rollout-probe-misses"),
+        ("max_restarts", "--rollout-max-restarts"), ("server_concurrency", "--sglang-server-concurrency"),
+        ("deterministic", "--rollout-deterministic"), ("weight_sync", "--weight-sync"),
+        ("memory_saver", "--sglang-memory-saver"), ("sync_master_address", "--weight-sync-address"))},
+}
+
+
+def test_every_engine_field_names_its_own_flag():
+    found = {path.removeprefix("engine."): flag for path, flag in _flag_fields(RunConfig) if path.startswith("engine.")}
+    assert found == ENGINE_FLAGS  # carried by the fields, none lost or added in the move
+    assert {path: flag_of("engine." + path) for path in ENGINE_FLAGS} == ENGINE_FLAGS
+    assert flag_of("engine.sglang") == "--rollout-engine"  # the part as a whole carries no flag: FLAG_OF_PATH's
+
+
+def test_engine_flags_read_back_as_the_config_built_in_code():
+    """Each SGLang flag reaches its field; the three given as strings are converted (list, shell words, dict)."""
+    from megamu.arguments import engine_flags
+
+    def engine(*extra):
+        return engine_flags(build_parser().parse_args(["--rollout-engine", "sglang", *extra]))
+
+    assert engine("--sglang-url", URL) == EngineConfig(kind="sglang", sglang=SGLangConfig(urls=[URL]))
+    assert engine_flags(build_parser().parse_args([])) == EngineConfig()
+    given = engine("--sglang-url", f"{URL},http://b:1", "--sglang-server-args", "--mem-fraction-static 0.8",
+                   "--sglang-env", "A=1 B='x y'", "--sglang-host", "0.0.0.0", "--rollout-probe-period", "2",
+                   "--rollout-probe-misses", "5", "--sglang-num-servers", "2", "--rollout-deterministic",
+                   "--no-sglang-memory-saver", "--weight-sync", "disk", "--local-engine-batch-size", "8",
+                   "--rollout-dtype", "bfloat16")
+    assert given == EngineConfig(kind="sglang", dtype="bfloat16", max_batch_size=8, sglang=SGLangConfig(
+        urls=[URL, "http://b:1"], extra_server_args=["--mem-fraction-static", "0.8"],
+        server_env={"A": "1", "B": "x y"}, host="0.0.0.0", probe_period_s=2.0, probe_misses=5, num_servers=2,
+        deterministic=True, memory_saver=False, weight_sync="disk"))
+    with pytest.raises(SystemExit, match="--sglang-env: expected NAME=VALUE items"):
+        engine("--sglang-env", "A")
+    with pytest.raises(SystemExit, match="--rollout-probe-misses: must be a positive integer"):
+        engine("--rollout-probe-misses", "0")
+
+
+def test_a_list_field_needs_a_flag_default_of_its_own():
+    from megamu.config_fields import flag
+
+    with pytest.raises(TypeError, match="--x: a field with a default_factory needs a flag_default"):
+        flag("--x", default_factory=list)
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--rollout-temperature", "0"], "--rollout-temperature: must be > 0"),
     (["--eval-temperature", "0"], "--eval-temperature: must be > 0"),

@@ -45,8 +45,8 @@ BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, 
 
 # Most flags are generated from the config tree (fields made with megamu.config_fields.flag; AlgoConfig's attached in
 # generated.ALGO_FLAGS), group by group in the order --help shows. Written out here: flags that are not one field each
-# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...), the engine's (engine.py) and the
-# Megatron-LM compatibility flags (megatron.py).
+# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...) and the Megatron-LM compatibility flags
+# (megatron.py). The engine's and the reward's groups are added by engine.py (tools/evaluate.py shares them).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")

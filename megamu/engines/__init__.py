@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megamu.config_fields import flag
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.types import Engine, EngineBase, GeneratedSample, GenerateRequest, SamplingParams
 from megamu.errors import ConfigError, check_choice, check_positive
@@ -24,11 +25,14 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 class EngineConfig:
     """Which engine generates, as the trainer and tools/evaluate.py both configure it."""
 
-    kind: str = "local"
-    # The precision the engine computes in: the local engine's weights, SGLang's --dtype. None: a run's is its
-    # training precision (RunConfig fills it in); an engine on its own computes in float32.
-    dtype: str | None = None
-    max_batch_size: int = 128  # local engine: sequences decoded together
+    kind: str = flag("--rollout-engine", default="local", choices=ENGINE_KINDS)
+    # None: a run's is its training precision (RunConfig fills it in); an engine on its own computes in float32.
+    dtype: str | None = flag("--rollout-dtype", default=None, choices=ENGINE_DTYPES, help=(
+        "the precision the engine computes in: the local engine's weights, SGLang servers' --dtype (default: "
+        "bfloat16 with --bf16, else float32; the weights it loads: --export-dtype)"))
+    max_batch_size: int = flag("--local-engine-batch-size", default=128, type=int, help=(
+        "local engine: sequences decoded together (slime's --rollout-batch-size is prompts per rollout: megamu's "
+        "--prompts-per-stage)"))
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # servers, launch and weight sync (kind "sglang")
 
     def __post_init__(self):

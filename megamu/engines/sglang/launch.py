@@ -15,9 +15,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megamu.config_fields import flag
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 
 # Set by torchrun / torch.distributed.elastic for the trainer's own ranks (torch/distributed/run.py).
@@ -36,47 +37,77 @@ class SGLangConfig:
     """Everything the SGLang engine needs: where its servers are (or how to launch them), its client's limits and
     how weights reach it. ``dtype`` is set by ``megamu.engines.build_engine`` from ``EngineConfig.dtype``."""
 
-    urls: list[str] = field(default_factory=list)  # running servers or a router; empty: megamu launches servers
-    # A running sglang-router: the servers megamu launches (on every node) join it for the stage, and rank 0 sends
-    # every request through it (nodes.py).
-    router: str | None = None
-    num_servers: int = 1  # per node
-    tp_size: int = 1
+    # Flags the parser converts: --sglang-url (comma-separated), --sglang-server-args (shell words), --sglang-env.
+    urls: list[str] = flag("--sglang-url", default_factory=list, flag_default=None,  # empty: megamu launches servers
+                           help="URL[,URL...] of running servers or a router")
+    # Rank 0 sends every request through the router (nodes.py).
+    router: str | None = flag("--sglang-router", default=None, help=(
+        "URL of a running sglang-router: the servers megamu launches on every node join it for each stage and leave "
+        "it at the stage's end, and requests go through it"))
+    num_servers: int = flag("--sglang-num-servers", default=1, type=int, help="servers megamu launches on each node")
+    tp_size: int = flag("--sglang-tp-size", default=1, type=int)
     api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
-    host: str = "127.0.0.1"  # where launched servers listen; another node's rank 0 needs a routable address
-    port_base: int = 30000
+    host: str = flag("--sglang-host", default="127.0.0.1", help=(  # another node's rank 0 needs a routable address
+        "address the servers megamu launches listen on; on several nodes one the others reach, e.g. 0.0.0.0 (they "
+        "are then named by this node's host name)"))
+    port_base: int = flag("--sglang-port-base", default=30000, type=int, help=(
+        "port of a node's first launched server; server i listens on port base + i"))
     dtype: str = "float32"  # --dtype of launched servers (their compute precision)
-    server_python: str | None = None  # the Python that runs sglang.launch_server (None: this one)
-    server_env: dict[str, str] = field(default_factory=dict)  # added to the launched servers' environment
-    extra_server_args: list[str] = field(default_factory=list)  # e.g. the CPU flags of shared/sglang-cpu/launch.sh
+    server_python: str | None = flag("--sglang-python", default=None, help=(
+        "the Python that runs servers megamu launches (default: this one), e.g. a CPU build's venv"))
+    server_env: dict[str, str] = flag("--sglang-env", default_factory=dict, flag_default="", help=(
+        'environment of servers megamu launches, e.g. "SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/x/stubs"'))
+    extra_server_args: list[str] = flag("--sglang-server-args", default_factory=list, flag_default="", help=(
+        'extra launch_server flags, e.g. "--mem-fraction-static 0.8 --max-running-requests 1024"'))
     log_dir: str | None = None
-    startup_timeout_s: float = 600.0  # launched servers: loading the model may take this long
-    # Given servers (urls) must answer /health within this: the run starts on those that do and names the others;
-    # none does: the run fails, naming each URL with its error.
-    url_timeout_s: float = 60.0
+    startup_timeout_s: float = flag("--sglang-startup-timeout", default=600.0, type=float, help=(
+        "seconds a server megamu launches (or restarts) has to load its model and answer /health"))
+    url_timeout_s: float = flag("--sglang-url-timeout", default=60.0, type=float, help=(
+        "seconds the given --sglang-url servers have to answer /health at start: the run starts on those that do, "
+        "naming the others, and fails after this bound when none does, naming each URL with its error (servers "
+        "megamu launches have --sglang-startup-timeout)"))
     # Health during generation (health.py): every server is probed each probe_period_s; a server that exits, refuses
     # connections, or misses probe_misses probes in a row (no answer within probe_timeout_s) is dead. A hung server
     # is thus found within probe_misses * (probe_period_s + probe_timeout_s) (45 s by default).
-    probe_period_s: float = 5.0
-    probe_timeout_s: float = 10.0
-    probe_misses: int = 3
-    max_restarts: int = 3  # per stage: dead servers megamu launched are restarted this many times in all
-    # Sequences each server runs at once (a request of n samples counts n); None: the server's max_running_requests
-    # from /server_info, else 512. A router is given the sum over its workers.
-    server_concurrency: int | None = None
-    deterministic: bool = False  # launch servers with --enable-deterministic-inference (given servers must have it)
+    probe_period_s: float = flag("--rollout-probe-period", default=5.0, type=float, help=(
+        "seconds between /health_generate probes of each SGLang server while requests are out"))
+    probe_timeout_s: float = flag("--rollout-probe-timeout", default=10.0, type=float,
+                                  help="seconds a probe waits for its answer")
+    probe_misses: int = flag("--rollout-probe-misses", default=3, type=int, help=(
+        "probes missed in a row that make a server dead (as do its exit and a refused port): a hung server is found "
+        "within misses x (period + timeout), 45 s by default; its requests go to the live servers with the same "
+        "seeds"))
+    max_restarts: int = flag("--rollout-max-restarts", default=3, type=int, help=(
+        "restarts per stage of the dead servers megamu launched; beyond it the run stops, naming the server, its "
+        "exit status and log (a rerun resumes at the first missing shard). After an in-memory push a restarted "
+        "server gets it again from a host copy kept for that (none at 0)"))
+    # A request of n samples counts n; a router is given the sum over its workers.
+    server_concurrency: int | None = flag("--sglang-server-concurrency", default=None, type=int, help=(
+        "sequences each SGLang server (or each worker of a router) runs at once; megamu sends it twice that "
+        "(default: the server's max_running_requests from /server_info, else 512)"))
+    deterministic: bool = flag("--rollout-deterministic", default=False, action="store_true", help=(
+        "SGLang honours each sample's seed (servers launched with --enable-deterministic-inference; given servers "
+        "must have it), so a resumed stage redraws the same samples; slower kernels. The local engine always is"))
     request_timeout_s: float = 3600.0
     max_retries: int = 5
     backoff_s: float = 1.0
     shutdown_grace_s: float = 30.0
     # None below: follows from where the servers run, filled in by ``placed`` (a run's RunConfig places them by its
     # mode and device; an engine on its own gets disk refreshes over gloo, from 127.0.0.1 or MASTER_ADDR).
-    weight_sync: str | None = None  # "disk" (/update_weights_from_disk) or "memory" (/update_weights_from_distributed)
-    memory_saver: bool | None = None  # launch with --enable-memory-saver; colocated stages release and resume
+    weight_sync: str | None = flag("--weight-sync", default=None, choices=WEIGHT_SYNCS, help=(
+        "SGLang refreshes: HF export + /update_weights_from_disk, or in memory: a broadcast from rank 0 to every "
+        "node's servers, or, for servers on the trainer's GPUs, tensor handles each node pushes to its own (default: "
+        "memory in --rollout-mode colocated, disk in staged)"))
+    memory_saver: bool | None = flag("--sglang-memory-saver", default=None, action="optional_bool", help=(
+        "launch servers with --enable-memory-saver and, in colocated mode, have them release their KV cache and "
+        "weights while the trainer trains (default: on for colocated runs on GPUs, where servers share the "
+        "trainer's devices)"))
     weight_bucket_mb: float = 512.0  # bytes per broadcast of an in-memory sync
     sync_backend: str | None = None  # process-group backend of an in-memory sync: gloo on CPU, nccl on GPU
     shares_trainer_devices: bool | None = None  # servers on the trainer's GPUs (colocated): pushes go as tensors
-    sync_master_address: str | None = None  # this process's address as the servers reach it
+    sync_master_address: str | None = flag("--weight-sync-address", default=None, help=(
+        "this process's address as the servers reach it, for in-memory pushes over a process group (default: "
+        "torchrun's MASTER_ADDR, else 127.0.0.1)"))
     vocab_size: int | None = None  # None: read from the served model's config.json when it is readable here
 
     def __post_init__(self):

@@ -1,5 +1,6 @@
 """Launching `pretrain_mu_grpo.py` from a test and reading what the run wrote (shared by every tests/e2e module)."""
 
+import atexit
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 
 from tests.processes import run_owned
 from tests.torchrun import free_port
+from tests.warm_launch import WarmLauncher
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "pretrain_mu_grpo.py"
@@ -27,14 +29,28 @@ def flags(model: Path, save: Path, *extra: str) -> list[str]:
     ]
 
 
+_warm: WarmLauncher | None = None
+
+
+def _base_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: bool = True):
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    """Run the trainer to its end (one rank: forked from a process that imported it once, tests/warm_launch.py;
+    more: under torchrun, from scratch)."""
+    global _warm
+    full_env = {**_base_env(), **(env or {})}
     if nproc == 1:
-        cmd = [sys.executable, str(SCRIPT), *args]
+        if _warm is None:
+            _warm = WarmLauncher(_base_env())
+            atexit.register(_warm.close)
+        proc = _warm.run(args, env=full_env, timeout=600)
+        cmd = proc.args
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
-    proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
+        proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

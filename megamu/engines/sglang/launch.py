@@ -32,7 +32,7 @@ WEIGHT_SYNCS = ("disk", "memory")
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # /update_weights_from_disk, or an in-memory push
 
 
-@dataclass
+@dataclass(frozen=True)
 class SGLangConfig:
     """Everything the SGLang engine needs: where its servers are (or how to launch them), its client's limits and
     how weights reach it. ``dtype`` is set by ``megamu.engines.build_engine`` from ``EngineConfig.dtype``."""

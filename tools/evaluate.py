@@ -47,7 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="drop problems whose prompt is over --max-prompt-length instead of failing")
     g.add_argument("--prompt-key", default="problem")
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
-    g.add_argument("--reward-fn", default=None, help="module:function, as in training (overrides --reward)")
     g.add_argument("--reward-workers", type=int, default=None)
     add_reward_arguments(p)  # the trainer's reward flags, same spelling
     add_engine_arguments(p)  # the trainer's engine flags, same spelling

@@ -76,10 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
                         "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
     add_fields(g, PromptsConfig, ["chat_template", "instruction", "max_prompt_length", "skip_bad_rows"])
-    g.add_argument("--reward-fn", "--custom-rm-path", dest="reward_fn", default=None,
-                   help="module:function, file.py:function or module.function (slime's --custom-rm-path); "
-                        "fn(response, ground_truth), verl's compute_score(data_source, solution_str, ground_truth, "
-                        "extra_info) or slime's custom_rm(args, sample), detected; overrides --reward")
     add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")

@@ -90,10 +90,7 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
                 _error(flag, "only used with --reward code")
     if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
         _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
-    if args.reward_fn and ":" not in args.reward_fn and "." not in args.reward_fn:
-        _error("--reward-fn", f"expected module:function, file.py:function or module.function (slime's "
-                              f"--custom-rm-path), got {args.reward_fn!r}")
-    return _config(RewardConfig, at="rollout.reward", **field_values(RewardConfig, args), reward_fn=args.reward_fn,
+    return _config(RewardConfig, at="rollout.reward", **field_values(RewardConfig, args),
                    num_workers=getattr(args, "reward_workers", None))
 
 

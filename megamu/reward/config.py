@@ -20,7 +20,10 @@ class RewardConfig:
     kind: str = flag("--reward", default="math", choices=REWARD_KINDS, help=(
         "math: last \\boxed{} vs the answer (math-verify); code: the last ```python block runs against the row's "
         "tests in a sandbox"))
-    reward_fn: str | None = None  # --reward-fn module:function, overrides kind
+    reward_fn: str | None = flag("--reward-fn", "--custom-rm-path", default=None, help=(
+        "module:function, file.py:function or module.function (slime's --custom-rm-path); fn(response, "
+        "ground_truth), verl's compute_score(data_source, solution_str, ground_truth, extra_info) or slime's "
+        "custom_rm(args, sample), detected; overrides --reward"))
     # code: all tests pass -> 1, or the fraction passed
     code_mode: str = flag("--code-reward-mode", default="all", choices=CODE_MODES, help=(
         "code: 1 only when every test passes, or the fraction of stdin/stdout cases passed"))
@@ -38,6 +41,9 @@ class RewardConfig:
         "own limit for code); raise it for a remote judge"))
 
     def __post_init__(self):
+        if self.reward_fn is not None and ":" not in self.reward_fn and "." not in self.reward_fn:
+            raise ConfigError("reward_fn", f"expected module:function, file.py:function or module.function (slime's "
+                                           f"--custom-rm-path), got {self.reward_fn!r}")
         if not 0 <= self.max_error_fraction <= 1:
             raise ConfigError("max_error_fraction", f"must be a fraction in [0, 1], got {self.max_error_fraction}")
         if self.item_timeout is not None and not self.item_timeout > 0:

@@ -5,10 +5,12 @@ Tolerances: both sides compute in float32 on a 2-layer model with hidden size 64
 agree to a few float32 ulps of values of size ~10 (~1e-5); 1e-4 leaves room for other CPUs' kernels and reductions.
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -195,12 +197,24 @@ def test_mismatched_weights_are_refused(served, tmp_path):
     assert engine.weight_version == before  # nothing was sent
 
 
+@contextlib.contextmanager
+def small_buckets(engine, mb: float = 0.02):
+    """Several buckets for a 0.1 MB model. The config is frozen: the engine and its pool (which share it) get a copy
+    for the test, and the module's engine gets its own back after."""
+    config = engine.config
+    engine.config = engine.pool.config = replace(config, weight_bucket_mb=mb)
+    try:
+        yield
+    finally:
+        engine.config = engine.pool.config = config
+
+
 def test_memory_sync_matches_the_new_weights(served, tmp_path):
     engine = served.engine
     new_dir = str(save_tiny_model(tmp_path / "mem", "llama", seed=11))
     state = served.model(new_dir).state_dict()
-    engine.config.weight_bucket_mb = 0.02  # several buckets for a 0.1 MB model
-    report = engine.update_weights(state_dict=state, version=7, probe=_probe(new_dir, served))
+    with small_buckets(engine):
+        report = engine.update_weights(state_dict=state, version=7, probe=_probe(new_dir, served))
     served.model_dir = new_dir
     assert (report.mode, report.version) == ("memory", "7") and report.probe_mean_abs_diff <= ATOL
     assert report.bytes == sum(t.numel() * t.element_size() for t in state.values())
@@ -256,8 +270,8 @@ def test_tensor_push_into_the_server(served, tmp_path):
     engine = served.engine
     new_dir = str(save_tiny_model(tmp_path / "tensor", "llama", seed=13))
     state = served.model(new_dir).state_dict()
-    engine.config.weight_bucket_mb = 0.02  # several buckets
-    assert send_tensors(engine.pool, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
+    with small_buckets(engine):
+        assert send_tensors(engine.pool, state, "21") == sum(t.numel() * t.element_size() for t in state.values())
     served.model_dir = new_dir
     assert check_probe(engine, _probe(new_dir, served)) <= ATOL
     engine.weight_version = "21"

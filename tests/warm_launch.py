@@ -86,32 +86,32 @@ class WarmLauncher:
     """The test side: starts the server once, then ``run`` behaves as tests.processes.run_owned on the trainer."""
 
     def __init__(self, env: dict[str, str]):
-        self.env = env
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_launch"], cwd=REPO, env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_launch"], cwd=REPO, env=env, bufsize=0,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self._expect(lambda line: line == "ready", timeout=300)
+        self._pending = b""  # read from the server, not yet a whole line
+        if (line := self._readline(time.monotonic() + 300)) != "ready":
+            raise RuntimeError(f"the warm-launch server said {line!r}")
 
     def _readline(self, deadline: float | None) -> str:
-        wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        if not select.select([self.proc.stdout], [], [], wait)[0]:
-            raise subprocess.TimeoutExpired("warm launch", wait)
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the warm-launch server exited ({self.proc.wait()})")
-        return line.strip()
-
-    def _expect(self, ok, timeout: float | None) -> str:
-        line = self._readline(None if timeout is None else time.monotonic() + timeout)
-        if not ok(line):
-            raise RuntimeError(f"the warm-launch server said {line!r}")
-        return line
+        """The server's next line. Read from the pipe itself, not a buffered file: the pid and exit-code lines of a
+        short run may arrive together, and a select() on the pipe would not see the second in a file's buffer."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not select.select([fd], [], [], wait)[0]:
+                raise subprocess.TimeoutExpired("warm launch", wait)
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the warm-launch server exited ({self.proc.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
     def run(self, args: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             req = {"argv": args, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
             pid = json.loads(self._readline(time.monotonic() + 60))["pid"]
             try:
                 rc = json.loads(self._readline(time.monotonic() + timeout))["rc"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -63,6 +64,34 @@ class Device:
         return (f"cpu: {model or platform.processor() or 'unknown model'}, {os.cpu_count()} cores, torch kernels "
                 f"{torch.backends.cpu.get_cpu_capability()}")
 
+    def import_megatron(self) -> None:
+        """Import megatron-core for this device, without two costs its import has and megamu's runs do not use:
+        - On CPU, its fused kernels are left uncompiled. They are decorated with megatron.core.jit.jit_fuser, which
+          0.16.1 binds to torch.compile when that module is imported (jit.py:21, run by its last line), and building
+          the wrappers imports torch's compiler stack: ~1-2 s of CPU per process (measured) for kernels the CPU path
+          never calls (megamu.model.config.fusion_fields turns them off with the local spec). jit_fuser is bound to
+          the identity instead, as megatron's disable_jit_fuser() would if it could run before those modules exist
+          (later Megatron-LM versions read TORCHINDUCTOR_DISABLE=1 for that); torch.compile itself is put back at
+          once. On CUDA the fusions keep megatron's torch.compile.
+        - Its inference engine imports wandb, if installed, for its own metrics (inference/contexts/dynamic_context.py
+          :70, inside try/except ImportError): 1.3 s per process. megamu generates with its own engines and imports
+          wandb itself when a run logs to it (megamu.tracking), so wandb is hidden from megatron's import.
+        A megatron-core imported earlier is left as it is."""
+        if "megatron.core.jit" in sys.modules:
+            return
+        hide_wandb = "wandb" not in sys.modules
+        real_compile = torch.compile
+        if hide_wandb:
+            sys.modules["wandb"] = None  # `import wandb` raises ImportError while this entry is None
+        if not self.is_cuda:
+            torch.compile = _eager
+        try:
+            import megatron.core.jit  # noqa: F401  (imports megatron.core, whose modules bind jit_fuser here)
+        finally:
+            torch.compile = real_compile
+            if hide_wandb and sys.modules.get("wandb", 0) is None:
+                del sys.modules["wandb"]
+
     def release_cache(self) -> None:
         """Return the caching allocator's free blocks to the driver, so another process (the engine) can use them."""
         if self.is_cuda:
@@ -70,6 +99,11 @@ class Device:
 
 
 CPU = Device("cpu")
+
+
+def _eager(model=None, **_options):
+    """torch.compile's call shapes (``compile(fn)`` and ``compile(**options)(fn)``), compiling nothing."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def expandable_segments_on(env: dict[str, str] | None = None) -> bool:

@@ -29,6 +29,7 @@ def init_distributed(
     ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
     ranks 1..N during the rank-0 rollout, go through ``wait_for_main_rank`` instead."""
+    device.import_megatron()
     from megatron.core import parallel_state, tensor_parallel
 
     global _device

@@ -1,15 +1,17 @@
 """Trainer launches for the tests from a process that has imported the trainer once.
 
 A one-rank run of `pretrain_mu_grpo.py` on the tiny model trains for about 2 s and spends about 6 s importing torch,
-megatron-core (whose fusions import torch's compiler) and transformers; the suite launches some thirty of them. Here a
-server process (``python -m tests.warm_launch``, one per pytest worker) imports them once and forks one child per run.
+megatron-core, torch's compiler (torch.optim's constructors import it) and transformers; the suite launches some thirty
+of them. Here a server process (``python -m tests.warm_launch``, one per pytest worker) imports them once and forks one
+child per run.
 The child is a process of its own, as a launch from scratch is: its own session (killed as a group), the run's
 environment, stdout and stderr to files, ``sys.argv`` set and the script run as ``__main__``; it ends as a Python
 process ends (atexit handlers, non-daemon threads joined), or abruptly through the crash hook's ``os._exit``.
 What it skips is only the imports: every module the run imports after them is imported in the child.
 
 Forking is safe because the server runs nothing after its imports: torch has not started its OpenMP workers (they
-start at the first parallel op) and no process group exists. Runs with torchrun keep launching from scratch.
+start at the first parallel op), no process group exists and no thread has started (checked). Runs with torchrun
+keep launching from scratch.
 
 Protocol, one JSON line each way: request {argv, env, cwd, stdout, stderr} -> {"pid"} when forked, {"rc"} when done.
 """
@@ -29,12 +31,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "pretrain_mu_grpo.py"
-# What a run imports before it trains (the loop modules are imported in main(), after parsing the flags). Not
-# megatron.core.models.gpt: it imports wandb, which makes a media temp folder at import and deletes it at exit; the
-# first child to end would delete it under every later one (the run imports it itself, in the child).
+# What a run imports before it trains (the loop modules are imported in main(), after parsing the flags); megatron-core
+# comes first, imported as the run's init_distributed does (megamu.device.Device.import_megatron).
 PRELOAD = ("pretrain_mu_grpo", "megamu.loop.run", "megamu.loop.staged", "megamu.loop.async_", "megamu.engines.local",
-           "transformers")
-# Modules whose import makes state of the process (temp folders removed at exit): a child must import them itself.
+           "megatron.core.models.gpt", "torch._dynamo", "transformers")
+# Modules whose import makes state of the process: wandb makes a media temp folder at import and deletes it at exit,
+# so the first child to end would delete it under every later one. A child must import them itself.
 NOT_SHARED = ("wandb",)
 
 
@@ -61,12 +63,18 @@ def _child(req: dict) -> None:
 
 def serve() -> None:
     import importlib
+    import threading
 
+    from megamu.device import CPU
+
+    CPU.import_megatron()
     for name in PRELOAD:
         importlib.import_module(name)
     shared = [m for m in NOT_SHARED if m in sys.modules]
     if shared:
         raise SystemExit(f"tests/warm_launch.py: the preloaded modules import {shared}: children would share them")
+    if threading.active_count() != 1:  # a fork copies only the calling thread: a child would miss the others
+        raise SystemExit(f"tests/warm_launch.py: the preloaded modules started threads: {threading.enumerate()}")
     reply = sys.stdout
     reply.write("ready\n")
     reply.flush()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megamu.net import free_port  # noqa: F401  (tests import it from here)
 from tests.processes import run_owned
+from tests.warm_launch import warm_launcher
 
 
 def server_ports(span: int = 1) -> int:
@@ -36,24 +37,20 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None):
-    """Run ``script`` on ``nproc`` ranks; raise AssertionError with the output tail if it fails or times out."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *map(str, args),
-    ]
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None,
+                 torchrun: bool = False):
+    """Run ``script`` on ``nproc`` ranks of one node; raise AssertionError with the output tail if it fails or times
+    out. The ranks are forked from this worker's warm-launch server with torchrun's environment
+    (tests/warm_launch.py), or, with ``torchrun``, started by torchrun itself."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     try:
-        proc = run_owned(cmd, timeout=timeout, env=full_env)
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
+            proc = run_owned(cmd, timeout=timeout, env=full_env)
+        else:
+            proc = warm_launcher().run(list(map(str, args)), env=full_env, timeout=timeout, nproc=nproc,
+                                       script=Path(script))
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"torchrun {script} timed out after {timeout}s:\n{(e.stdout or '')[-4000:]}") from e
     if proc.returncode != 0:

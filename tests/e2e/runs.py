@@ -1,6 +1,5 @@
 """Launching `pretrain_mu_grpo.py` from a test and reading what the run wrote (shared by every tests/e2e module)."""
 
-import atexit
 import json
 import os
 import sys
@@ -11,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.processes import run_owned
 from tests.torchrun import free_port
-from tests.warm_launch import WarmLauncher
+from tests.warm_launch import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "pretrain_mu_grpo.py"
@@ -29,30 +28,19 @@ def flags(model: Path, save: Path, *extra: str) -> list[str]:
     ]
 
 
-_warm: WarmLauncher | None = None
-
-
-def _base_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: bool = True):
-    """Run the trainer to its end (one rank: forked from a process that imported it once, tests/warm_launch.py;
-    more: under torchrun, from scratch)."""
-    global _warm
-    full_env = {**_base_env(), **(env or {})}
-    if nproc == 1:
-        if _warm is None:
-            _warm = WarmLauncher(_base_env())
-            atexit.register(_warm.close)
-        proc = _warm.run(args, env=full_env, timeout=600)
-        cmd = proc.args
-    else:
+def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: bool = True, torchrun: bool = False):
+    """Run the trainer to its end: forked from a process that imported it once (tests/warm_launch.py), one rank or a
+    one-node world of ``nproc``; or, with ``torchrun``, under torchrun from scratch (for what its agent does)."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
         proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
+    else:
+        proc = warm_launcher().run(args, env=full_env, timeout=600, nproc=nproc)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{proc.args} (nproc {nproc}) failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
     return proc
 
 

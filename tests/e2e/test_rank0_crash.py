@@ -27,7 +27,7 @@ def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):
                  "--rollout-engine", "sglang", "--sglang-python", sys.executable, "--sglang-env", env,
                  "--sglang-port-base", str(port), "--sglang-server-concurrency", "1")
     t0 = time.monotonic()
-    crashed = launch(args, nproc=2, env={"MEGAMU_CRASH_AFTER": "shard:1"}, check=False)
+    crashed = launch(args, nproc=2, env={"MEGAMU_CRASH_AFTER": "shard:1"}, check=False, torchrun=True)
     seconds = time.monotonic() - t0
     after_crash = time.time() - (save / "rollouts" / "stage_0" / "shard-00001.parquet").stat().st_mtime
     assert crashed.returncode != 0, crashed.stdout[-2000:]
@@ -40,7 +40,7 @@ def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):
     written = {p.name: p.read_bytes() for p in stage.glob("shard-*.parquet")}
     assert sorted(written) == ["shard-00000.parquet", "shard-00001.parquet"] and not (stage / "manifest.json").exists()
 
-    resumed = launch(args, nproc=2)
+    resumed = launch(args, nproc=2, torchrun=True)
     assert "[rollout] stage 0: resuming, 2/" in resumed.stdout, resumed.stdout[-3000:]
     assert {p: (stage / p).read_bytes() for p in written} == written  # the shards written before the crash, kept
     assert (stage / "manifest.json").exists() and len(records(save, "update")) == 4

@@ -275,3 +275,17 @@ def test_every_flag_a_field_carries_is_a_flag_of_the_parser_and_names_its_errors
     known = {s for a in build_parser()._actions for s in a.option_strings}
     assert set(found.values()) - known == set()
     assert {path: flag_of(path) for path in found} == found
+
+
+def test_an_engine_on_its_own_refuses_memory_weight_sync_naming_its_own_fix():
+    """tools/evaluate.py's engine (engine_config) has no rollout mode: its refusal names the flag it does have."""
+    import argparse
+
+    from megamu.arguments import add_engine_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    args = p.parse_args(["--rollout-engine", "sglang", "--sglang-url", URL, "--weight-sync", "memory"])
+    with pytest.raises(SystemExit, match="--weight-sync: memory .* use --weight-sync disk") as e:
+        engine_config(args)
+    assert "--rollout-mode" not in str(e.value)

@@ -125,7 +125,7 @@ def engine_config(args: argparse.Namespace, device: Device | None = None) -> Eng
     (disk refreshes), computing in --rollout-dtype, else float32. A run's engine: ``RunConfig(...).engine``."""
     cfg = engine_flags(args)
     if cfg.kind == "sglang" and cfg.sglang.weight_sync == "memory":
-        _error("--weight-sync", "memory needs --rollout-mode colocated (staged mode starts each stage's servers "
-                                "from the stage's export)")
+        _error("--weight-sync", "memory pushes a trainer's weights into colocated servers; an engine on its own "
+                                "(evaluation) loads each checkpoint from disk: use --weight-sync disk")
     sglang = cfg.sglang.placed(backend=(device or CPU).backend) if cfg.kind == "sglang" else cfg.sglang
     return replace(cfg, dtype=cfg.dtype or "float32", sglang=sglang)

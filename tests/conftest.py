@@ -31,3 +31,15 @@ def tiny_llama_2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1))
+
+
+@pytest.fixture(autouse=True)
+def _one_sandbox_test_at_a_time(request):
+    """Tests marked ``sandbox`` run while no other pytest worker runs one (tests/reward/sandbox_checks.py)."""
+    if request.node.get_closest_marker("sandbox") is None:
+        yield
+        return
+    from tests.reward.sandbox_checks import sandbox_exclusive
+
+    with sandbox_exclusive():
+        yield

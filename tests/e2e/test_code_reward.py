@@ -9,6 +9,8 @@ from megamu.data.code_task import code_problems
 from megamu.reward import RewardConfig
 from tests.e2e.runs import launch, records
 
+pytestmark = pytest.mark.sandbox  # one such test at a time over the workers (tests/reward/sandbox_checks.py)
+
 
 def code_flags(model, save, data, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(model), "--save", str(save), "--prompt-data", str(data), "--reward", "code",

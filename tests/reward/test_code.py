@@ -12,6 +12,8 @@ from megamu.reward.code import code_score, extract_code, outputs_match
 from tests.processes import group_members, pid_alive
 from tests.reward.sandbox_checks import nothing_left_behind
 
+pytestmark = pytest.mark.sandbox  # one such test at a time over the workers (tests/reward/sandbox_checks.py)
+
 # Correct programs finish in milliseconds; the generous limit only keeps a loaded machine from failing them.
 FAST = {"timeout_s": 30.0}
 

@@ -10,6 +10,8 @@ from megamu.reward.code import code_score
 from megamu.reward.remote import remote_run
 from megamu.reward.sandbox import SandboxLimits, run_python
 
+pytestmark = pytest.mark.sandbox  # one such test at a time over the workers (tests/reward/sandbox_checks.py)
+
 
 class _Service(BaseHTTPRequestHandler):
     fail_first = 0  # answer this many requests with 503 before serving

@@ -12,6 +12,8 @@ from megamu.reward.sandbox import SandboxLimits, probe_isolation, run_python
 from tests.processes import group_members
 from tests.reward.sandbox_checks import nothing_left_behind
 
+pytestmark = pytest.mark.sandbox  # one such test at a time over the workers (tests/reward/sandbox_checks.py)
+
 # Programs that should finish get a generous wall clock (a loaded CI machine starts interpreters slowly); programs
 # that never finish get SHORT, and the tests bound how long their failure takes.
 LIMITS = SandboxLimits(wall_s=30.0, cpu_s=2, memory_bytes=512 << 20, max_processes=16, file_bytes=4 << 20)

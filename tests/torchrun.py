@@ -1,4 +1,5 @@
-"""Launch a worker script under `torchrun --nproc_per_node N` (gloo, CPU) from a test, with a hard timeout."""
+"""Launch a worker script on N ranks of one node (gloo, CPU; torchrun's environment, forked by tests/warm_launch.py)
+from a test, with a hard timeout; and free ports for the servers a test launches."""
 
 from __future__ import annotations
 
@@ -6,12 +7,10 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from megamu.net import free_port  # noqa: F401  (tests import it from here)
-from tests.processes import run_owned
 from tests.warm_launch import warm_launcher
 
 
@@ -37,20 +36,12 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None,
-                 torchrun: bool = False):
-    """Run ``script`` on ``nproc`` ranks of one node; raise AssertionError with the output tail if it fails or times
-    out. The ranks are forked from this worker's warm-launch server with torchrun's environment
-    (tests/warm_launch.py), or, with ``torchrun``, started by torchrun itself."""
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None):
+    """Run ``script`` on ``nproc`` ranks of one node, forked from this worker's warm-launch server with torchrun's
+    environment (tests/warm_launch.py); raise AssertionError with the output tail if it fails or times out."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     try:
-        if torchrun:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-                   "127.0.0.1", "--master_port", str(free_port()), str(script), *map(str, args)]
-            proc = run_owned(cmd, timeout=timeout, env=full_env)
-        else:
-            proc = warm_launcher().run(list(map(str, args)), env=full_env, timeout=timeout, nproc=nproc,
-                                       script=Path(script))
+        proc = warm_launcher().run(list(args), env=full_env, timeout=timeout, nproc=nproc, script=Path(script))
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"torchrun {script} timed out after {timeout}s:\n{(e.stdout or '')[-4000:]}") from e
     if proc.returncode != 0:

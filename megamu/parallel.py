@@ -28,7 +28,8 @@ def init_distributed(
 
     ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
-    ranks 1..N during the rank-0 rollout, go through ``wait_for_main_rank`` instead."""
+    ranks 1..N during the rank-0 rollout or while rank 0 writes an HF export, go through ``wait_for_main_rank``
+    instead."""
     device.import_megatron()
     from megatron.core import parallel_state, tensor_parallel
 

@@ -183,7 +183,7 @@ class Policy:
         anchors = {(s.prompt_id, s.sample_index): v for s, v in zip(samples, values)}
         if parallel.is_main_rank():
             atomic_write(cache, lambda tmp: torch.save(anchors, tmp))
-        parallel.barrier()
+        parallel.wait_for_main_rank()
         return anchors
 
     def save(self, iteration: int, extra: dict) -> None:
@@ -197,7 +197,6 @@ class Policy:
         # collectives and barrier), whichever rank the scheduler delays
         if not exists:
             export_hf(self.model, self.arch, out, hf_source_dir=self.hf_source, dtype=self.export_dtype)
-        parallel.barrier()
         return out
 
     @property

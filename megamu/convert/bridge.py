@@ -140,5 +140,5 @@ def torch_dist_to_hf(load_dir: str | Path, hf_source_dir: str | Path, out_dir: s
             _write_hf(tensors, tmp, Path(hf_source_dir), dtype, max_shard_bytes or DEFAULT_SHARD_BYTES)
     for _ in tensors:  # other ranks take part in every gather
         pass
-    parallel.barrier()
+    parallel.wait_for_main_rank()  # rank 0's last writes may outlast the collective timeout
     return Path(out_dir)

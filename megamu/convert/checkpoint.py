@@ -70,11 +70,12 @@ def export_hf(
 ) -> Path:
     """Export a live (TP-sharded) model as an HF folder: the first data-parallel replica gathers tensor by tensor,
     global rank 0 writes into a temp folder that replaces ``out_dir`` only once complete; all ranks then meet at a
-    barrier. A write error (disk full) is raised on rank 0 after the other ranks are released, not as a hang.
+    barrier on the CPU-side group, which the collective timeout does not bound. A write error (disk full) is raised
+    on rank 0 after the other ranks are released, not as a hang.
 
     ``dtype`` (``--export-dtype``) defaults to the training precision (``training_dtype``): a bf16 run's rollouts
     are served in bf16, and its exports are half the size of fp32 ones."""
-    from megamu.parallel import barrier, gathers_full_weights, is_main_rank
+    from megamu.parallel import gathers_full_weights, is_main_rank, wait_for_main_rank
 
     dtype = training_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)  # on every rank, before any collective
@@ -89,7 +90,7 @@ def export_hf(
                 error = e
         for _ in hf:  # take part in every remaining gather
             pass
-    barrier()
+    wait_for_main_rank()  # rank 0's last shard and rename may outlast the collective timeout (a big model, slow disk)
     if error is not None:
         raise error
     return Path(out_dir)

@@ -86,7 +86,7 @@ class Prompts:
             path.parent.mkdir(parents=True, exist_ok=True)
             rows = addition_problems(self.cfg.builtin_rows, seed=self.cfg.seed)
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-        parallel.barrier()
+        parallel.wait_for_main_rank()
         return path
 
     def for_stage(self, stage: int) -> list[PromptRecord]:

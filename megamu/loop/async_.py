@@ -185,7 +185,7 @@ def train_async(run) -> None:
                            max_policy_lag=plan.max_policy_lag, queue=run.state.queue)
     if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline: same names, other
         run_dir.prune_sync_exports()  # weights
-    parallel.barrier()
+    parallel.wait_for_main_rank()
     engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), run.prompts.train)  # θ_t, collective
     bar = run.progress_bar("optimise (async)", total=plan.total_updates, initial=run.state.update)
     interval = cfg.save_interval

@@ -52,7 +52,7 @@ def train_staged(run) -> None:
             policy.onload()  # 5. the trainer's state comes back, bit for bit
             if parallel.is_main_rank() and stage != engine.launch_stage:  # 6. D_k is durable: hf/stage_k goes
                 run_dir.prune_stage_export(stage)  # (not the one servers launched from: their restarts load it)
-            parallel.barrier()
+            parallel.wait_for_main_rank()
         t2 = time.perf_counter()
         dataset = StageDataset(run_dir.stage_rollouts(stage))
         optimise(run, stage, dataset, t_eval, engine.stage_end_checkpoints)  # 7. μ updates on the static D_k

@@ -35,6 +35,16 @@ def test_ranks_wait_for_a_long_rank0_phase_on_the_cpu_group_despite_a_short_time
     assert set(waited) == {0, 1} and waited[1] > 3.0, proc.stdout  # rank 1 waited past the 3 s timeout and survived
 
 
+def test_ranks_wait_for_rank0s_hf_export_on_the_cpu_group_despite_a_short_timeout(tmp_path):
+    """export_hf: only rank 0 writes; the other ranks wait for it on the CPU-side group, whatever the collective
+    timeout (3 s here, with a write 8 s slower than usual)."""
+    save_tiny_model(tmp_path / "hf", "llama", 0)
+    proc = run_torchrun(WAIT_WORKER, 2, "export", str(tmp_path), timeout=180)
+    waited = {int(r): float(t) for r, t in re.findall(r"rank (\d) waited ([\d.]+)s OK", proc.stdout)}
+    assert set(waited) == {0, 1} and waited[1] > 3.0, proc.stdout
+    assert any((tmp_path / "export").glob("*.safetensors"))
+
+
 def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
     with pytest.raises(AssertionError, match="failed") as failure:  # the control: same wait through the default group
         run_torchrun(WAIT_WORKER, 2, "barrier", str(tmp_path), timeout=120)

@@ -2,7 +2,9 @@
 
 Rank 1 also reaches the rendezvous 5 s after rank 0, as a slow node does: it must still join.
 Usage: wait_worker.py MODE DIR. MODE "wait": rank 1 waits in parallel.wait_for_main_rank (must survive, then
-a collective on the short-timeout groups still works); MODE "barrier": rank 1 waits in a plain barrier (must time out).
+a collective on the short-timeout groups still works); MODE "barrier": rank 1 waits in a plain barrier (must time out);
+MODE "export": both ranks export DIR/hf's model (TP=1, DP=2) with export_hf while rank 0's write is slow (must
+survive: rank 1 waits for the write on the CPU-side group).
 """
 
 import sys
@@ -20,6 +22,26 @@ BUSY_S = 8.0
 LATE_S = 5.0  # rank 1 starts this much later than rank 0: more than the 3 s timeout
 
 
+def export_slowly(folder: Path) -> None:
+    """export_hf of the model in ``folder/hf``; rank 0's write (the only rank that writes) takes BUSY_S longer, as a
+    large model's last shard on a slow disk does."""
+    from megamu.convert import checkpoint, load_hf_into_model
+    from megamu.model import ModelArch, build_model
+
+    arch = ModelArch.from_hf(folder / "hf")
+    model = build_model(arch)
+    load_hf_into_model(model, arch, folder / "hf")
+    write = checkpoint._write_hf
+
+    def slow_write(*args, **kwargs):
+        time.sleep(BUSY_S)
+        return write(*args, **kwargs)
+
+    checkpoint._write_hf = slow_write
+    checkpoint.export_hf(model, arch, folder / "export", hf_source_dir=folder / "hf", dtype="fp32")
+    assert (folder / "export" / "config.json").exists()  # rank 1 returns only once rank 0's folder is complete
+
+
 def main(mode: str, _dir: str) -> None:
     import os
 
@@ -28,10 +50,12 @@ def main(mode: str, _dir: str) -> None:
         time.sleep(LATE_S)  # a node that starts late: the rendezvous must wait for it beyond the short timeout
     parallel.init_distributed(tensor_model_parallel_size=1, distributed_timeout_minutes=0.05)
     print(f"rank {dist.get_rank()} initialised", flush=True)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and mode != "export":
         time.sleep(BUSY_S)  # the rollout
     start = time.monotonic()
-    if mode == "wait":
+    if mode == "export":
+        export_slowly(Path(_dir))
+    elif mode == "wait":
         parallel.wait_for_main_rank()
     else:
         parallel.barrier()

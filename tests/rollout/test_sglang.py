@@ -17,6 +17,7 @@ from megamu.engines.sglang.launch import group_alive
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
+from tests.torchrun import server_ports
 
 
 def _client(server, **kw):
@@ -113,7 +114,7 @@ def test_wrong_api_key_and_update_weights(server, tiny_llama, tmp_path):
 def test_launch_failure_shows_log_tail(tmp_path):
     # A bogus server flag makes the launched process exit at once, with or without sglang installed.
     with pytest.raises(SGLangError, match="exited with code") as e:
-        SGLangEngine(str(tmp_path), port_base=39111, startup_timeout_s=60, log_dir=str(tmp_path / "logs"),
+        SGLangEngine(str(tmp_path), port_base=server_ports(), startup_timeout_s=60, log_dir=str(tmp_path / "logs"),
                      extra_server_args=["--no-such-flag-megamu"])
     assert "server_0.log" in str(e.value)
 

@@ -23,8 +23,8 @@ from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
 from tests.processes import pid_alive
 from tests.tiny import build_char_tokenizer, save_tiny_model
+from tests.torchrun import server_ports
 
-PORT = 39450  # not the module server's of test_real_server.py
 ATOL = 1e-4
 
 
@@ -40,7 +40,8 @@ def _killed_mid_stage(tmp_path, push: str):
     torch.set_num_threads(1)
     model_dir = str(save_tiny_model(tmp_path / "base", "llama", seed=0))
     served = model_dir
-    engine = SGLangEngine(model_dir, cpu_config(PORT, tmp_path / "logs", probe_period_s=1.0, probe_timeout_s=10.0))
+    engine = SGLangEngine(model_dir, cpu_config(server_ports(), tmp_path / "logs", probe_period_s=1.0,
+                                                probe_timeout_s=10.0))
     pid, out, fault = engine.pids[0], tmp_path / "stage", {}
     if push == "memory":
         served = str(save_tiny_model(tmp_path / "pushed", "llama", seed=5))

@@ -14,8 +14,8 @@ from megamu.engines.sglang.nodes import start_sglang
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.rollout.test_sglang_router import router  # noqa: F401  (fixture)
 from tests.tiny import save_tiny_model
+from tests.torchrun import server_ports
 
-PORT = 39470  # not the other real-server tests'
 ATOL = 1e-4
 
 
@@ -35,7 +35,7 @@ def test_real_server_behind_the_real_router(tmp_path, router):  # noqa: F811
     other = str(save_tiny_model(tmp_path / "other", "llama", seed=5))
     prompts = {i: [5 + i, 9, 14] for i in range(4)}
     requests = [GenerateRequest(i, p, SamplingParams(max_new_tokens=8, n=2, seed=1)) for i, p in prompts.items()]
-    dispatcher, node = start_sglang(base, cpu_config(PORT, tmp_path / "logs", router=router))
+    dispatcher, node = start_sglang(base, cpu_config(server_ports(), tmp_path / "logs", router=router))
     try:
         assert dispatcher.routers == [router] and dispatcher.control_urls == node.urls
         out = dispatcher.generate(requests)

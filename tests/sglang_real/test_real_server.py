@@ -23,9 +23,9 @@ from megamu.engines.sglang.weight_sync import LogprobProbe, WeightMismatch
 from megamu.engines.types import GenerateRequest, PromptError, SamplingParams
 from tests.processes import group_members, pid_alive
 from tests.tiny import save_tiny_model
+from tests.torchrun import server_ports
 
 ATOL = 1e-4
-PORT = 39400
 
 
 class Served:
@@ -47,7 +47,7 @@ def served(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("sglang_real")
     model_dir = str(save_tiny_model(root / "base", "llama", seed=0))
-    engine = SGLangEngine(model_dir, cpu_config(PORT, root / "logs"))
+    engine = SGLangEngine(model_dir, cpu_config(server_ports(), root / "logs"))
     leaders = engine.pids
     members = [m for pid in leaders for m in group_members(pid)]
     yield Served(engine, model_dir)

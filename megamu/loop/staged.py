@@ -32,7 +32,8 @@ def train_staged(run) -> None:
     scorer, t_eval = make_scorer(cfg.rollout.reward) if parallel.is_main_rank() else None, 0.0
     for stage in range(run.state.stage, plan.num_stages):
         done = run_dir.stage_done(stage)
-        parallel.barrier()  # every rank has looked before rank 0 can write D_k: all take the same branch
+        parallel.wait_for_main_rank()  # every rank has looked before rank 0 can write D_k: all take the same branch
+        # (on the CPU group: before stage 0, rank 0 alone prunes a killed run's exports and starts the reward pool)
         t0 = t1 = time.perf_counter()
         if not done:
             publish(policy, engine, stage, run_dir.stage_export(stage))  # 1-2. θ_k -> β_k, the trainer offloaded

@@ -65,6 +65,8 @@ METHODS = (
     Method("mu-grpo-suffix", "mu-grpo", ("--nav-scope", "suffix"), note="clip [0, 5] + veto S_κ"),
     Method("mu-grpo-tau1e-2", "mu-grpo", ("--nav-threshold", "1e-2"), note="veto S_seq, τ = 1e-2"),
     Method("mu-grpo-tau1e-6", "mu-grpo", ("--nav-threshold", "1e-6"), note="veto S_seq, τ = 1e-6"),
+    # τ of the veto-rate rule (fidelity_plan.tau_by_veto_rate, issue 42), fixed before its runs
+    Method("mu-grpo-tau3e-3", "mu-grpo", ("--nav-threshold", "3e-3"), note="veto S_seq, τ = 3e-3 (veto-rate rule)"),
     Method("m2po", "m2po", note="no upper clip, second-moment mask 0.04"),
 )
 BY_LABEL = {m.label: m for m in METHODS}
@@ -80,30 +82,44 @@ class RunKey:
     seed: int
     lr: float
     updates: int
+    prompts: int | None = None  # prompts per update (B_mini / G); None: --prompts-per-update
+    tag: str = ""  # a run of a registered arm that must not be read back from an older sitting's (e.g. "timed")
 
     @property
     def stages(self) -> int:
         return self.updates // self.mu
+
+    def prompts_per_update(self, a: argparse.Namespace) -> int:
+        return self.prompts or a.prompts_per_update
+
+    def eval_every(self, a: argparse.Namespace) -> int:
+        """--eval-every scaled to this key's updates: every run is evaluated at the same rollout samples."""
+        return max(a.eval_every * self.updates // a.updates, 1)
 
     def config(self, a: argparse.Namespace) -> dict:
         """Everything that changes the run or its evaluation: the key's hash covers all of it."""
         m = self.method
         return {"method": m.label, "algorithm": m.algorithm, "flags": list(m.flags), "mu": self.mu,
                 "stages": self.stages, "updates": self.updates, "seed": self.seed, "lr": self.lr,
-                "mode": "colocated" if m.low else "staged", "prompts_per_update": a.prompts_per_update,
+                "mode": "colocated" if m.low else "staged", "prompts_per_update": self.prompts_per_update(a),
                 "n_samples_per_prompt": a.n_samples_per_prompt, "max_response_len": a.max_response_len,
                 "extra": list(a.extra), "train_problems": a.train_problems, "held_out": a.held_out,
-                "k": a.k, "eval_every": a.eval_every, "lab_model": a.lab}
+                "k": a.k, "eval_every": self.eval_every(a), "lab_model": a.lab,
+                **({"tag": self.tag} if self.tag else {})}
 
     def name(self, a: argparse.Namespace) -> str:
         h = hashlib.sha256(json.dumps(self.config(a), sort_keys=True).encode()).hexdigest()[:8]
-        return f"{self.method.label}/mu{self.mu}x{self.stages}-s{self.seed}-lr{self.lr:g}-{h}"
+        b = f"-b{self.prompts}" if self.prompts and self.prompts != a.prompts_per_update else ""
+        t = f"-{self.tag}" if self.tag else ""
+        return f"{self.method.label}/mu{self.mu}x{self.stages}{b}{t}-s{self.seed}-lr{self.lr:g}-{h}"
 
 
-def key_of(a: argparse.Namespace, label: str, seed: int, lr: float, mu: int | None = None) -> RunKey:
-    """The key of ``label`` at ``seed`` and ``lr``: μ = --low-mu for the colocated methods, else ``mu`` or --mu."""
+def key_of(a: argparse.Namespace, label: str, seed: int, lr: float, mu: int | None = None,
+           prompts: int | None = None, updates: int | None = None, tag: str = "") -> RunKey:
+    """The key of ``label`` at ``seed`` and ``lr``: μ = --low-mu for the colocated methods, else ``mu`` or --mu;
+    ``prompts`` per update and ``updates`` default to the flags'."""
     method = BY_LABEL[label]
-    return RunKey(method, mu or (a.low_mu if method.low else a.mu[0]), seed, lr, a.updates)
+    return RunKey(method, mu or (a.low_mu if method.low else a.mu[0]), seed, lr, updates or a.updates, prompts, tag)
 
 
 def train(a: argparse.Namespace, key: RunKey) -> dict:
@@ -116,9 +132,9 @@ def train(a: argparse.Namespace, key: RunKey) -> dict:
     mode = "colocated" if m.low else "staged"
     cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), "--algorithm", m.algorithm, *m.flags,
            "--hf-checkpoint", str(a.model), "--prompt-data", str(a.train_file), "--save", str(save),
-           "--mu", str(key.mu), "--num-stages", str(key.stages), "--prompts-per-update", str(a.prompts_per_update),
+           "--mu", str(key.mu), "--num-stages", str(key.stages), "--prompts-per-update", str(key.prompts_per_update(a)),
            "--n-samples-per-prompt", str(a.n_samples_per_prompt), "--rollout-mode", mode, "--seed", str(key.seed),
-           "--lr", f"{key.lr:g}", "--eval-prompts", "0", "--hf-export-interval", str(a.eval_every),
+           "--lr", f"{key.lr:g}", "--eval-prompts", "0", "--hf-export-interval", str(key.eval_every(a)),
            "--rollout-max-response-len", str(a.max_response_len), "--save-interval", "0", "--keep-checkpoints", "1",
            "--keep-hf-exports", "0",  # every export is scored (then dropped by this bench)
            # the local engine decodes 256 rows at once: 2x the samples/s of its default 128 on this model (measured)
@@ -195,8 +211,27 @@ def run_one(a: argparse.Namespace, key: RunKey) -> bool:
     except RuntimeError as e:  # one run's failure must not lose the others' results
         print(f"[{name}] FAILED: {e}", flush=True)
         a.failed.add(name)  # not retried by this process's --plan loop
-    write_report(a, load_runs(a.summaries))
+    try:
+        write_report(a, load_runs(a.summaries))
+    except Exception as e:  # noqa: BLE001 (the report is regenerated with --report-only; the runs go on)
+        print(f"report not written: {type(e).__name__}: {e}", flush=True)
     return True
+
+
+def lab_of(build: dict) -> dict:
+    """What a run key records of its lab model (from the model's lab_build.json)."""
+    spec = LabSpec(**build["spec"])
+    return {"spec": spec.key(), "digits": spec.digits, "weights_sha256": build["weights_sha256"]}
+
+
+def check_tau_rule(a: argparse.Namespace) -> None:
+    """The τ arm's method must carry the τ the registered rule gives on round one's set (fidelity_plan)."""
+    tau, how = plan.tau_by_veto_rate([r for r in load_runs(a.summaries) if r.lab_model == a.round1_lab])
+    flags = BY_LABEL[plan.TAU_RULE_METHOD].flags
+    if flags != ("--nav-threshold", f"{tau:g}"):
+        raise SystemExit(f"bench/fidelity.py: the τ rule gives {tau:g} ({how}), but {plan.TAU_RULE_METHOD} runs with "
+                         f"{' '.join(flags)}")
+    print(f"τ rule: {how}", flush=True)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -205,6 +240,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--summaries", type=Path, default=None, help="default docs/fidelity-4stage/runs (committed)")
     p.add_argument("--report", type=Path, default=None, help="default docs/fidelity-4stage.md")
     p.add_argument("--plan", action="store_true", help="the pre-registered run set, in order (fidelity_plan.py)")
+    p.add_argument("--round2", action="store_true",
+                   help="issue 42's registered arms (fidelity_plan.ARMS) in their order, like --plan")
     p.add_argument("--until", default=None, help="HH:MM UTC: --plan starts no run after this time")
     p.add_argument("--max-runs", type=int, default=None, help="--plan trains at most this many runs")
     p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=[])
@@ -222,6 +259,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="samples per held-out problem (sampled pass@1)")
     p.add_argument("--train-problems", type=int, default=20000)
     p.add_argument("--lab-cache", type=Path, default=CACHE, help="where the lab model is built and cached")
+    p.add_argument("--lab-build", action="store_true",
+                   help="build the lab model from scratch instead of using the shipped reference weights (its bytes "
+                        "depend on the CPU; its runs get their own keys)")
     p.add_argument("--quick", action="store_true", help="the suite's smoke run: a few-hundred-weight model, 4 updates")
     p.add_argument("--report-only", action="store_true", help="train nothing: the report from the summaries")
     p.add_argument("--notes", type=Path, default=None,
@@ -247,26 +287,31 @@ def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     a.key_of = functools.partial(key_of, a)
-    record = a.summaries.parent / "lab_build.json"  # committed beside the summaries: --report-only needs no model
-    if a.report_only and record.exists():
-        a.build = json.loads(record.read_text())
-    else:
-        a.model = lab_model_dir(a.spec, a.lab_cache)
-        a.build = json.loads((a.model / "lab_build.json").read_text())
+    a.model = lab_model_dir(a.spec, a.lab_cache, build=a.lab_build)  # the shipped weights: found, not built
+    a.build = json.loads((a.model / "lab_build.json").read_text())
+    a.lab = lab_of(a.build)
+    # round one's model (issue 34), recorded beside the summaries by its first sitting: the committed set's runs
+    # are read on it, round two's (issue 42) on a.lab
+    record = a.summaries.parent / "lab_build.json"
+    if not record.exists():
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(a.build, indent=1))
-    a.lab = {"spec": a.spec.key(), "digits": a.spec.digits, "weights_sha256": a.build["weights_sha256"]}
+    a.round1_build = json.loads(record.read_text())
+    a.round1_lab = lab_of(a.round1_build)
     a.train_file, a.held_out_file = write_split(a.out / f"data-{a.spec.digits}d", a.train_problems, a.held_out,
                                                 seed=a.spec.seed + 1, digits=a.spec.digits)
     if a.report_only:
         pass
-    elif a.plan:
+    elif a.plan or a.round2:
+        if a.round2:
+            check_tau_rule(a)
+        next_keys = plan.round2_keys if a.round2 else plan.next_keys
         trained = 0
         while a.max_runs is None or trained < a.max_runs:
             if a.until and time.strftime("%H:%M", time.gmtime()) >= a.until:
                 print(f"--until {a.until}: no new run", flush=True)
                 break
-            todo = [k for k in plan.next_keys(a, [r for r in load_runs(a.summaries) if r.lab_model == a.lab])
+            todo = [k for k in next_keys(a, [r for r in load_runs(a.summaries) if r.lab_model == a.lab])
                     if k.name(a) not in a.failed]
             if not todo or not any(run_one(a, k) for k in todo[:1] + todo[1:2]):
                 print("plan: nothing left to start (finished, claimed, or waiting on a rule)", flush=True)

@@ -70,3 +70,72 @@ def accuracy_panels(runs, path: Path, title: str) -> bool:
     fig.savefig(path, dpi=72)
     plt.close(fig)
     return True
+
+
+def _stage_lines(ax, updates: int, mu: int) -> None:
+    """Stage boundaries (β and the rollout dataset are refreshed there) as thin vertical lines."""
+    if mu >= updates or updates // mu > 16:  # one stage, or μ = 4: no boundary worth drawing
+        return
+    for b in range(mu, updates, mu):
+        ax.axvline(b, color="grey", linewidth=0.5, linestyle=":")
+
+
+def _band(ax, groups: dict, value, colour: str, label: str) -> None:
+    """Seed mean (line) and the seeds' range (band) of ``value(run) -> (xs, ys)`` over one method's runs."""
+    import statistics
+
+    curves = [value(r) for r in groups]
+    xs = curves[0][0]
+    ys = [[c[1][i] for c in curves if i < len(c[1]) and math.isfinite(c[1][i])] for i in range(len(xs))]
+    keep = [i for i, y in enumerate(ys) if y]
+    mean = [statistics.fmean(ys[i]) for i in keep]
+    ax.plot([xs[i] for i in keep], mean, color=colour, label=label, linewidth=1.3)
+    if len(curves) > 1:
+        ax.fill_between([xs[i] for i in keep], [min(ys[i]) for i in keep], [max(ys[i]) for i in keep],
+                        color=colour, alpha=0.2, linewidth=0)
+
+
+def seed_mean_panels(by_method: dict[str, list], path: Path, title: str) -> bool:
+    """Per method: the seeds' mean (line) and range (band) of held-out sampled pass@1, clip fraction, E[ρ|A<0],
+    the 10th percentile of ρ on A < 0 tokens (log axis, τ marked) and the vetoed-token fraction, with the stage
+    boundaries drawn; the legend gives each method's seed count."""
+    by_method = {m: rs for m, rs in by_method.items() if rs}
+    if not by_method:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, 5, figsize=(19, 3.8))
+    panels = (
+        ("sampled pass@1 (held out; mean, band = seeds' range)",
+         lambda r: ([e["update"] for e in r.s["evals"]], r.acc("sampled")), None),
+        ("clip fraction (window mean)", lambda r: r.series("clip_fraction"), "symlog"),
+        ("E[ρ | A < 0] (window median)", lambda r: r.series("ratio_neg_adv_mean"), "log"),
+        ("ρ at the 10th pct of A < 0 tokens (exp of p10 log ρ)",
+         lambda r: (r.series("neg_adv_log_ratio_p10")[0],
+                    [math.exp(v) if math.isfinite(v) else math.nan for v in r.series("neg_adv_log_ratio_p10")[1]]),
+         "log"),
+        ("vetoed-token fraction (window mean)", lambda r: r.series("veto_token_fraction"), "symlog"),
+    )
+    for i, (method, runs) in enumerate(sorted(by_method.items())):
+        colour = f"C{i % 10}"
+        for ax, (_, value, _) in zip(axes, panels):
+            _band(ax, runs, value, colour, f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+    every = [r for rs in by_method.values() for r in rs]
+    staged_mu = max((r.mu for r in every if 4 < r.mu < r.updates), default=None)
+    for ax, (name, _, scale) in zip(axes, panels):
+        ax.set_title(name, fontsize=8)
+        if staged_mu:
+            _stage_lines(ax, every[0].updates, staged_mu)
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-4)
+        elif scale == "log":
+            ax.set_yscale("log")
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("update", fontsize=7)
+    axes[2].axhline(1.0, color="grey", linewidth=0.6)
+    axes[3].axhline(REFERENCE_TAU, color="grey", linewidth=0.6, linestyle="--")
+    axes[0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return True

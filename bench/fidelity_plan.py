@@ -5,6 +5,7 @@ rule. Written down before the runs they judge (RULES is printed in the report); 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # --- the rules, fixed before the runs ---------------------------------------------------------------------------
 CLIP_BAND = (2e-4, 1e-3)  # standard GRPO's clip fraction at μ = 4, around the paper's 4e-4 (Table 9)
@@ -145,3 +146,127 @@ def next_keys(a, runs) -> list:
     want += [(label, s, None) for s in (1, 2) for label in TAUS]
     want += [(label, s, a.updates) for s in (1, 2) for label in SINGLE_STAGE]
     return [a.key_of(label, s, chosen, m) for label, s, m in want if get(label, s, chosen, m) is None]
+
+
+# --- round two (issue 42): why μ-GRPO loses to plain GRPO in the lab. Registered before any of its runs. ----------
+ROUND2_LR = 3e-5  # the set's lr (by hand, issue 34): every arm changes one thing against the committed set
+# Table 5's stage-0 vetoed-token fractions of the models that start weak (App. C.1): Qwen3-1.7B-Base 7.07 %,
+# Qwen2.5-Math-7B 15.24 %. The τ rule aims at their geometric middle.
+TABLE5_STAGE0 = (0.0707, 0.1524)
+VETO_TARGET = math.sqrt(TABLE5_STAGE0[0] * TABLE5_STAGE0[1])
+TAU_RULE_METHOD = "mu-grpo-tau3e-3"  # bench/fidelity.py's method at the τ tau_by_veto_rate gave (checked at --round2)
+
+
+def stage_mean(r, key: str, stage: int) -> float:
+    """Mean of a per-update curve over one stage (0-based): the curve's equal windows split evenly into stages."""
+    xs, ys = r.series(key)
+    per = len(xs) // r.stages
+    vals = [v for v in ys[stage * per:(stage + 1) * per] if math.isfinite(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def tau_by_veto_rate(runs) -> tuple[float, str]:
+    """(τ, how): the τ whose stage-1 vetoed-token fraction is VETO_TARGET, interpolated log-log between the seeds'
+    mean stage-1 fractions of the committed `mu-grpo` (τ = 1e-4) and `mu-grpo-tau1e-2` runs at ROUND2_LR, 4 x 1024,
+    rounded to one significant digit. Log-log: the fraction rises ~25x over those two decades of τ, so a linear
+    interpolation would be dominated by the upper point."""
+    def rate(method: str) -> float:
+        rs = [r for r in runs if r.method == method and r.lr == ROUND2_LR and r.mu == 1024 and r.stages == 4
+              and r.prompts_per_update == 2 and not r.s["config"].get("tag")]
+        if not rs:
+            raise ValueError(f"tau_by_veto_rate: no committed {method} run at lr {ROUND2_LR:g}, 4 x 1024")
+        return sum(stage_mean(r, "veto_token_fraction", 0) for r in rs) / len(rs)
+
+    lo, hi = rate("mu-grpo"), rate("mu-grpo-tau1e-2")
+    slope = (math.log10(hi) - math.log10(lo)) / (math.log10(1e-2) - math.log10(1e-4))
+    exact = 10 ** (math.log10(1e-4) + (math.log10(VETO_TARGET) - math.log10(lo)) / slope)
+    tau = float(f"{exact:.0e}")
+    return tau, (f"stage-1 vetoed tokens {lo:.4f} at τ 1e-4 and {hi:.4f} at τ 1e-2 (seed means); target "
+                 f"{VETO_TARGET:.4f}: τ {exact:.2e}, rounded {tau:g}")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One experiment of round two: ``methods`` at one regime, what it changes, and what would implicate or clear
+    the explanation it tests."""
+
+    name: str
+    methods: tuple[str, ...]
+    prompts: int = 2  # prompts per update (x 8 samples = B_mini)
+    mu: int = 1024
+    updates: int = 4096
+    lr: float = ROUND2_LR
+    tag: str = ""  # keys of its own: not read back from the committed set (bench/fidelity.py RunKey.tag)
+    tests: str = ""
+    implicates: str = ""
+    clears: str = ""
+
+
+PAIR = ("mu-grpo", "grpo-high-staleness")
+ARMS = (
+    Arm("baseline", ("grpo", "mu-grpo", "grpo-high-staleness"), tag="timed",
+        tests="the committed set's headline regime (B_mini 2 x 8, μ = 1024 x 4, τ = 1e-4, lr 3e-5) on the shipped lab "
+              "model, timed: every other arm is read against these runs of the same sitting; and the paper's speed "
+              "claim: wall-clock (rollout + training + syncs) to fixed fractions of GRPO μ = 4's best accuracy, "
+              "GRPO μ = 4 colocated vs μ-GRPO staged (grpo runs at μ = 4)",
+        implicates="(a measurement) μ-GRPO reaches a fraction of GRPO μ = 4's accuracy sooner than GRPO μ = 4",
+        clears="μ-GRPO reaches no fraction, or reaches it later"),
+    Arm("minibatch-8x8", PAIR, prompts=8, mu=256, updates=1024,
+        tests="B_mini 2 x 8 vs the paper's 32 x 8, at equal data (Table 3's fixed generation budget): 4 stages of "
+              "2048 prompts, B_mini 8 x 8, μ = 256",
+        implicates="μ-GRPO's last-stage mean reaches high-staleness GRPO's at the same seed (within 2 SE or above), "
+                   "where at 2 x 8 (baseline) it was below",
+        clears="μ-GRPO stays below high-staleness GRPO by more than 2 SE on last-stage mean, as at 2 x 8"),
+    Arm("tau-by-veto-rate", (TAU_RULE_METHOD,), tag="timed",
+        tests="τ rescaled to the task: τ set by tau_by_veto_rate so that stage 1 masks what Table 5 reports for "
+              "stage 0 of the models that start weak, against τ = 1e-4 (baseline's mu-grpo)",
+        implicates="at that τ μ-GRPO reaches baseline high-staleness GRPO's last-stage mean (within 2 SE or above) "
+                   "and its stage-1 vetoed-token fraction lands in Table 5's 7-15 %",
+        clears="μ-GRPO at that τ stays below high-staleness GRPO by more than 2 SE (a stage-1 fraction outside "
+               "7-15 % means the rule missed, and the arm is inconclusive)"),
+    Arm("drift-lr1e-5", PAIR, lr=1e-5,
+        tests="drift per stage: lr 1e-5 at 2 x 8, μ = 1024 x 4 (round one: μ-GRPO's median per-token KL per stage "
+              "was 3-5x high-staleness GRPO's at 3e-5)",
+        implicates="μ-GRPO's per-stage median KL falls to baseline high-staleness GRPO's range and its last-stage "
+                   "mean reaches high-staleness GRPO's at the same lr (within 2 SE or above)",
+        clears="μ-GRPO stays below high-staleness GRPO at the same lr by more than 2 SE"),
+    Arm("minibatch-32x8", PAIR, prompts=32, mu=64, updates=256,
+        tests="B_mini 32 x 8 (the paper's), μ = 64, at equal data: 4 stages of 2048 prompts",
+        implicates="as minibatch-8x8", clears="as minibatch-8x8"),
+    Arm("minibatch-8x8-mu1024", PAIR, prompts=8, mu=1024, updates=4096,
+        tests="B_mini 8 x 8 at the paper's staleness μ = 1024 x 4 (4x the data and compute of the set)",
+        implicates="μ-GRPO at or above high-staleness GRPO", clears="μ-GRPO below by more than 2 SE"),
+)
+ROUND2_SEEDS = (1, 2)  # seeds are cut before arms: every arm's seed 1 runs before any seed 2
+
+ROUND2_RULES = """\
+- Registered in bench/fidelity_plan.py (`ARMS`) before any of its runs, on the lab model shipped in
+  bench/lab/pinned/ (round one's model could not be rebuilt on this machine: bench/lab/model.py). The `baseline` arm
+  reruns the committed set's headline regime (lr 3e-5, B_mini 2 x 8, μ = 1024 x 4, τ = 1e-4) on it; every other arm
+  changes one thing against it and compares methods at the same seed, which see the same stage-1 rollouts where
+  their stage-1 datasets are the same (paired), in the same sitting on one machine.
+- Curves, not two points: *last-stage mean* = mean of the evaluations in the last quarter of the run's samples (the
+  final stage of a 4-stage run; the same window for μ = 4 runs), *area* = mean of every evaluation after update 0,
+  *min* = the lowest evaluation after update 0. Differences are paired per seed; 2 SE of a difference of two runs'
+  last-stage means is 2 sqrt(2) SE_nk of the window's mean (SE_nk over n problems x k samples x evaluations).
+- Run order: arm by arm in the order listed, seed 1 of every arm first, then seed 2; a sitting that runs out of time
+  cuts seeds before arms and says so.
+- Time to accuracy: per run, the trainer's wall-clock at the first evaluation whose sampled accuracy reaches
+  50 / 75 / 90 % of GRPO μ = 4's best (same sitting, same seed); ratio μ-GRPO / GRPO μ = 4. CPU timings with a
+  ~0.8 M-weight model, not the paper's GPU timings.
+- τ rule (`tau_by_veto_rate`): computed on round one's committed runs, before round two; the `tau-by-veto-rate` arm
+  checks that its stage-1 fraction does land in 7-15 % on the shipped model."""
+
+
+def round2_keys(a, runs) -> list:
+    """The round-two runs still to do, in the registered order (seed 1 of every arm, then seed 2)."""
+    have = {r.s["key"] for r in runs}
+    keys = []
+    for seed in ROUND2_SEEDS:
+        for arm in ARMS:
+            for label in arm.methods:
+                low = label == "grpo"
+                k = a.key_of(label, seed, arm.lr, None if low else arm.mu, arm.prompts, arm.updates, arm.tag)
+                if k.name(a) not in have:
+                    keys.append(k)
+    return keys

@@ -49,6 +49,19 @@ def stage_end(stage_of_update: list[int], values: list) -> float | None:
     return min(ends) if ends else None
 
 
+def per_stage(ups: list[dict]) -> list[dict]:
+    """Per stage: the median and max per-token KL to β, and the veto's rates (tokens and replies masked, A < 0
+    replies below log τ) over all of its updates (Table 5 is per stage)."""
+    out = []
+    for st in sorted({r["stage"] for r in ups}):
+        rs = [r for r in ups if r["stage"] == st]
+        kl = _finite(r.get("approx_kl") for r in rs)
+        out.append({"stage": st, "updates": len(rs), "kl_median": statistics.median(kl) if kl else None,
+                    "kl_max": max(kl, default=None),
+                    **{k: _agg([r.get(k) for r in rs], k) for k in MEAN_KEYS}})
+    return out
+
+
 def summarize(save: Path, key: str, config: dict, evals: list[dict], times: dict) -> dict:
     """The summary of the finished run in ``save`` (its metrics.jsonl) with the bench's evaluations."""
     rows = read_metrics(save)
@@ -61,7 +74,10 @@ def summarize(save: Path, key: str, config: dict, evals: list[dict], times: dict
         curve[k] = [_agg([r.get(k) for r in ups[a:b]], k) for a, b in spans]
     run_means = {k: _agg([r.get(k) for r in ups], k) for k in MEAN_KEYS}
     stages = [r for r in rows if r["kind"] == "stage"]
+    at = {r["update"]: r["time"] for r in ups if "time" in r}  # seconds since the trainer started
+    evals = [{**e, "time": 0.0 if e["update"] == 0 else at.get(e["update"])} for e in evals]
     return {"key": key, "config": config, "updates_done": n, **times, "evals": evals, "curve": curve,
+            "per_stage": per_stage(ups),
             "run_mean": run_means,
             "stage_end_ratio_neg_adv": stage_end([r["stage"] for r in ups], [r.get("ratio_neg_adv_mean") for r in ups]),
             "log_ratio_min": min(_finite(r.get("log_ratio_min") for r in ups), default=None),

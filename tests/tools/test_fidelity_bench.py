@@ -191,3 +191,65 @@ def test_when_the_rule_finds_no_lr_the_plan_stops_unless_one_is_set_by_hand():
     a.lr = 3e-5
     todo = [(k.method.label, k.seed, k.lr) for k in plan.next_keys(a, runs)]
     assert todo == [("grpo", 2, 3e-5), ("mu-grpo-mu4", 1, 3e-5), ("mu-grpo-mu4", 2, 3e-5)]  # App. C.4 first
+
+
+def _curve_run(method: str, seed: int, veto_by_stage: list[float], stages: int = 4, points: int = 8) -> Run:
+    r = _run(method, [0.1, 0.2], seed=seed)
+    per = points // stages
+    r.s["curve"] = {"update": [(i + 1) * 4096 // points for i in range(points)],
+                    "veto_token_fraction": [veto_by_stage[i // per] for i in range(points)]}
+    r.s["config"]["prompts_per_update"] = 2
+    return r
+
+
+def test_the_tau_rule_interpolates_the_stage_one_veto_rate_log_log():
+    # stage-1 fractions 1 % at τ 1e-4 and 100 % at 1e-2 (seed means): one decade of rate per decade of τ, so the
+    # target rate r* is reached at τ = 1e-4 * r* / 0.01 (hand-computed), then rounded to one significant digit
+    runs = [_curve_run("mu-grpo", 1, [0.008, 0.5, 0.5, 0.5]), _curve_run("mu-grpo", 2, [0.012, 0.0, 0.0, 0.0]),
+            _curve_run("mu-grpo-tau1e-2", 1, [1.0, 0.1, 0.1, 0.1])]
+    tau, how = plan.tau_by_veto_rate(runs)
+    exact = 1e-4 * plan.VETO_TARGET / 0.01
+    assert tau == float(f"{exact:.0e}") and f"{exact:.2e}" in how
+    assert math.isclose(plan.VETO_TARGET, math.sqrt(0.0707 * 0.1524))
+    runs[2].s["config"]["tag"] = "timed"  # a round-two run is not round one's evidence
+    with pytest.raises(ValueError, match="mu-grpo-tau1e-2"):
+        plan.tau_by_veto_rate(runs)
+
+
+def test_curve_readings_use_the_whole_curve():
+    import fidelity_curves as cv
+
+    accs = [0.1, 0.5, 0.2, 0.6, 0.3, 0.4, 0.9, 0.7, 0.5]  # evaluations every 512 of 4096 updates
+    r = _run("mu-grpo", accs)
+    # the last quarter of 4096 updates: the evaluations after update 3072 (3584 and 4096), not 3072's 0.9
+    assert cv.last_window_evals(r) == 2 and math.isclose(cv.last_stage_mean(r), (0.7 + 0.5) / 2)
+    assert math.isclose(cv.area(r), sum(accs[1:]) / 8) and cv.minimum(r) == 0.2
+    for e, t in zip(r.s["evals"], range(0, 900, 100)):
+        e["time"] = float(t)
+    assert cv.time_to(r, 0.55) == 300.0 and cv.time_to(r, 0.95) is None
+    twin = _run("mu-grpo-tau1e-6", accs)
+    kept, dropped = cv.deduplicated([r, twin, _run("mu-grpo", accs[:-1] + [0.51], seed=2)])
+    assert len(kept) == 2 and dropped == {twin.s["key"]: r.s["key"]}
+
+
+def test_round_two_runs_every_arms_first_seed_before_any_second():
+    import fidelity
+
+    a = fidelity.parse(["--out", "/nonexistent", "--round2"])
+    a.lab = {"weights_sha256": "x"}
+    a.key_of = lambda *args: fidelity.key_of(a, *args)
+    keys = plan.round2_keys(a, [])
+    seeds = [k.seed for k in keys]
+    assert seeds == sorted(seeds) and set(seeds) == set(plan.ROUND2_SEEDS)
+    first = [(k.method.label, k.mu, k.prompts_per_update(a), k.updates, k.lr, k.tag) for k in keys if k.seed == 1]
+    assert first[:3] == [("grpo", 4, 2, 4096, 3e-5, "timed"), ("mu-grpo", 1024, 2, 4096, 3e-5, "timed"),
+                         ("grpo-high-staleness", 1024, 2, 4096, 3e-5, "timed")]
+    assert ("mu-grpo", 256, 8, 1024, 3e-5, "") in first and ("grpo-high-staleness", 64, 32, 256, 3e-5, "") in first
+    # equal data: every arm but the last sees 4 stages of 2048 prompts; evaluations at the same samples
+    for k in keys:
+        assert k.stages == (1024 if k.mu == 4 else 4)
+        if k.updates * k.prompts_per_update(a) == 8192:
+            assert k.eval_every(a) * k.prompts_per_update(a) == 512
+    assert len({k.name(a) for k in keys}) == len(keys)
+    # a run key of round one (no tag) is not read back as round two's baseline
+    assert fidelity.key_of(a, "mu-grpo", 1, 3e-5).name(a) != keys[1].name(a)

@@ -1,0 +1,237 @@
+"""The lab report's curve readings (issue 42): round one's committed set re-read on whole curves, and round two's
+registered arms (fidelity_plan.ARMS) with their verdicts and the time to accuracy. Every number comes from run
+summaries; the paper's effect sizes are quoted beside the lab's differences.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import fidelity_curves as cv
+import fidelity_figures as figs
+import fidelity_plan as plan
+
+# The paper's effect sizes, from its text (§5.1-5.2, App. C.1 and C.3), beside each comparison the lab makes.
+PAPER = {
+    "mu-grpo - grpo": "μ-GRPO vs GRPO μ = 4: matches or improves on 4 of 5 models, largest +2.5 points "
+                      "(DeepSeek-7B 68.6 vs 66.1 %, Table 1)",
+    "grpo-high-staleness - mu-grpo": "high-staleness GRPO vs μ-GRPO: -6.2 (Qwen2.5-Math-7B 41.8 vs 48.0 %) and "
+                                     "-8.4 points (DeepSeek-7B 60.2 vs 68.6 %, Table 1)",
+    "tau": "τ 1e-6 vs 1e-4: -0.4 points (47.6 vs 48.0 %); τ 1e-1: -2.8 (45.2 %) (Table 7)",
+    "minibatch": "fixed generation budget: batch 32 44.2 % vs batch 256 41.9 %, -2.3 points (Table 3)",
+    "single": "one stage of 4096 updates degrades vs μ = 512-2048 (Table 4; numbers not in the text)",
+    "speed": "T_total 1.53x less on average, 2.2x on DeepSeek-7B; T_rollout 1.82x less (Table 1, Fig. 1)",
+}
+TABLE5 = ("Qwen2.5-Math-7B 15.24 % in stage 0, < 0.4 % after; Qwen3-1.7B-Base 7.07 %, < 0.5 % after; "
+          "DeepSeek-7B < 0.7 % in every stage (vetoed tokens / all tokens of the batch)")
+FRACTIONS = (0.5, 0.75, 0.9)
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "–"
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def curve_table(runs: list, dropped: dict[str, str]) -> list[str]:
+    lines = ["| run | base | best | final | **last-stage mean** | **area** | min | per-stage median KL | "
+             "per-stage max KL | vetoed tokens per stage | train s |", "|" + "---|" * 11]
+    for r in sorted(runs, key=lambda r: (r.method, r.mu, r.seed, r.s["key"])):
+        st = cv.stage_rows(r)
+        approx = "≈" if st and st[0]["approx"] else ""
+        lines.append(
+            f"| `{r.s['key']}` | {r.base:.3f} | {_f(r.best)} | {r.final:.3f} | **{_f(cv.last_stage_mean(r))}** | "
+            f"**{_f(cv.area(r))}** | {_f(cv.minimum(r))} | {approx}{' '.join(_f(x['kl_median']) for x in st)} | "
+            f"{approx}{' '.join(_f(x['kl_max']) for x in st)} | "
+            f"{' '.join(_f(x.get('veto_token_fraction'), '.4f') for x in st)} | {r.s['train_s']:.0f} |")
+    for k, v in sorted(dropped.items()):
+        lines.append(f"| `{k}` | identical to `{v}` (same evaluations and curves): counted once | | | | | | | | | |")
+    return lines
+
+
+def by_method(runs: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for r in runs:
+        out.setdefault(r.method, []).append(r)
+    return out
+
+
+def diff_line(name: str, xs: list, ys: list, paper: str = "") -> str:
+    """Paired per-seed differences of last-stage mean and area, their mean, and 2 SE of a one-run difference of
+    last-stage means (sampling noise of the window's evaluations)."""
+    if not xs or not ys:
+        return f"- {name}: runs missing."
+    ls = cv.paired(xs, ys, cv.last_stage_mean)
+    ar = cv.paired(xs, ys, cv.area)
+    if not ls:
+        ls = [(0, _mean(map(cv.last_stage_mean, xs)) - _mean(map(cv.last_stage_mean, ys)))]
+        ar = [(0, _mean(map(cv.area, xs)) - _mean(map(cv.area, ys)))]
+        how = "unpaired seed means"
+    else:
+        how = "paired seeds " + ", ".join(f"s{s} {d:+.3f}" for s, d in ls)
+    x0 = xs[0]
+    se1 = cv.se_window(_mean(map(cv.last_stage_mean, xs + ys)), x0, cv.last_window_evals(x0))
+    # the larger of the evaluation's sampling noise and the seeds' spread of the paired differences (one seed: the
+    # sampling noise alone, which leaves out run-to-run variation: read a one-seed verdict as provisional)
+    two_se = 2 * math.sqrt(2) * se1 / math.sqrt(max(len(ls), 1))
+    if len(ls) > 1:
+        two_se = max(two_se, 2 * statistics.stdev(d for _, d in ls) / math.sqrt(len(ls)))
+    mean_ls, mean_ar = _mean(d for _, d in ls), _mean(d for _, d in ar)
+    verdict = "above" if mean_ls > two_se else "below" if mean_ls < -two_se else "within 2 SE"
+    return (f"- {name}: last-stage mean {mean_ls:+.3f} ({how}; 2 SE {two_se:.3f}: **{verdict}**), area "
+            f"{mean_ar:+.3f}" + (f". Paper: {paper}." if paper else "."))
+
+
+def round_one_reading(runs: list, lr: float, mu: int, low_mu: int, updates: int, fig_dir, rel: str) -> list[str]:
+    """Round one's set re-read on curves: per-run table, paired differences per claim, per-stage veto rates."""
+    at = [r for r in runs if r.lr == lr and r.updates == updates and not r.s["config"].get("tag")]
+    kept, dropped = cv.deduplicated(at)
+    # a duplicate is listed once in the table; each method's comparison still counts it as that method's seed
+    g = by_method([r for r in at if r.mu in (mu, low_mu)])
+    one = by_method([r for r in at if r.mu == updates])
+    out = ["## Round one re-read on curves (issue 42)", "",
+           "Best and final are two points of curves that swing by ±0.15 within a stage; the columns in bold read the "
+           "whole curve (definitions: `bench/fidelity_curves.py`). Per-stage KL is the per-token approx KL to β "
+           "(≈: from the summary's 64 window medians, not every update).", "", *curve_table(kept, dropped), ""]
+    out += ["### The claims on last-stage mean and area (paired by seed)", ""]
+    get = g.get
+    out += [diff_line("(e) mu-grpo minus grpo μ = 4", get("mu-grpo", []), get("grpo", []), PAPER["mu-grpo - grpo"]),
+            diff_line("(f) grpo-high-staleness minus grpo μ = 4", get("grpo-high-staleness", []), get("grpo", [])),
+            diff_line("(f) grpo-high-staleness minus mu-grpo", get("grpo-high-staleness", []), get("mu-grpo", []),
+                      PAPER["grpo-high-staleness - mu-grpo"]),
+            diff_line("(a) grpo-relaxed minus mu-grpo", get("grpo-relaxed", []), get("mu-grpo", [])),
+            *[diff_line(f"(c) {m} minus mu-grpo (S_seq)", get(m, []), get("mu-grpo", [])) for m in plan.SCOPES],
+            diff_line("(h) τ 1e-6 minus τ 1e-4", get("mu-grpo-tau1e-6", []), get("mu-grpo", []), PAPER["tau"]),
+            diff_line("(h) τ 1e-2 minus τ 1e-4", get("mu-grpo-tau1e-2", []), get("mu-grpo", [])),
+            *[diff_line(f"(g) {m}: one stage of {updates} minus 4 x {mu}", one.get(m, []), get(m, []),
+                        PAPER["single"]) for m in plan.SINGLE_STAGE], ""]
+    out += veto_table(g, "round one") + [""]
+    for name, methods, title in (
+            ("r1_headline_seeds.png", plan.HEADLINE, "round one, headline methods: seed means and ranges"),
+            ("r1_scopes_seeds.png", ("grpo-relaxed", *plan.SCOPES, "mu-grpo"), "round one, veto scopes (Fig. 3)"),
+            ("r1_tau_seeds.png", ("mu-grpo", "mu-grpo-tau1e-2", "mu-grpo-tau1e-6"), "round one, τ (Table 7)")):
+        if figs.seed_mean_panels({m: g.get(m, []) for m in methods}, fig_dir / name, title):
+            out += [f"![{title}]({rel}/{name})", ""]
+    single = {f"{m} 1 x {updates}": one.get(m, []) for m in plan.SINGLE_STAGE}
+    single.update({f"{m} 4 x {mu}": g.get(m, []) for m in plan.SINGLE_STAGE})
+    if figs.seed_mean_panels(single, fig_dir / "r1_single_stage_seeds.png", "round one, one stage vs four (Table 4)"):
+        out += [f"![single stage]({rel}/r1_single_stage_seeds.png)", ""]
+    if dropped:
+        out += ["Duplicates: " + "; ".join(f"`{k}` = `{v}`" for k, v in dropped.items()) + " (same evaluations and "
+                "training curves: where the veto never fires, the run is the no-veto run). Listed once in the table; "
+                "each method's comparison still counts it as its own seed, and a pooled list such as claim (d) "
+                "should count it once.", ""]
+    return out
+
+
+def veto_table(groups: dict[str, list], label: str) -> list[str]:
+    """Per-stage veto rates of the veto methods (seed means) beside Table 5."""
+    lines = [f"### Veto per stage, {label} (seed means; Table 5: {TABLE5})", "",
+             "| method | vetoed tokens per stage | replies masked per stage | A<0 replies below log τ per stage | "
+             "median KL per stage |", "|---|---|---|---|---|"]
+    for m, rs in sorted(groups.items()):
+        rows = [cv.stage_rows(r) for r in rs if r.mu > 4]  # the staged veto runs (μ = 4 runs veto nothing here)
+        if not rows or not m.startswith("mu-grpo"):
+            continue
+        n = min(len(x) for x in rows)
+
+        def col(key: str, spec: str, n: int = n, rows: list = rows) -> str:
+            return " / ".join(_f(_mean(st[i].get(key) for st in rows), spec) for i in range(n))
+
+        lines.append(f"| {m} | {col('veto_token_fraction', '.2%')} | {col('veto_sequence_fraction', '.2%')} | "
+                     f"{col('neg_adv_reply_below_tau', '.2%')} | {col('kl_median', '.3f')} |")
+    return lines
+
+
+def time_to_accuracy(runs: list) -> list[str]:
+    """Per seed: GRPO μ = 4's best, and each timed run's wall-clock to fractions of it."""
+    g = by_method(runs)
+    grpo = {r.seed: r for r in g.get("grpo", [])}
+    if not grpo:
+        return ["Time to accuracy: pending (no timed grpo μ = 4 run yet)."]
+    lines = ["| run | " + " | ".join(f"s to {f:.0%} of grpo's best" for f in FRACTIONS) + " | total train s |",
+             "|" + "---|" * (len(FRACTIONS) + 2)]
+    ratios: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+    for r in sorted(runs, key=lambda r: (r.seed, r.method)):
+        ref = grpo.get(r.seed)
+        if ref is None:
+            continue
+        ts = [cv.time_to(r, f * ref.best) for f in FRACTIONS]
+        lines.append(f"| `{r.s['key']}` | " + " | ".join(_f(t, ".0f") for t in ts) + f" | {r.s['train_s']:.0f} |")
+        if r.method == "mu-grpo":
+            for f, t in zip(FRACTIONS, ts):
+                t0 = cv.time_to(ref, f * ref.best)
+                if t is not None and t0:
+                    ratios[f].append(t / t0)
+    lines += ["", "Ratio μ-GRPO / GRPO μ = 4 (wall-clock to the same accuracy, same seed; < 1: μ-GRPO faster): "
+              + "; ".join(f"{f:.0%}: " + (", ".join(f"{x:.2f}" for x in v) if v else "not reached")
+                          for f, v in ratios.items())
+              + f". Paper: {PAPER['speed']}. These are CPU timings of a ~0.8 M-weight model with the local engine on "
+              "one core, not the paper's GPU timings: only the ratio's direction carries over, and not necessarily."]
+    return lines
+
+
+def round_two(runs: list, lab: dict, fig_dir, rel: str) -> list[str]:
+    """Round two's arms on the shipped model: runs, verdicts, time to accuracy, figures."""
+    mine = [r for r in runs if r.lab_model == lab]
+    out = ["## Round two: the registered arms (issue 42)", "", plan.ROUND2_RULES, "",
+           "| arm | tests | implicates if | clears if |", "|---|---|---|---|"]
+    out += [f"| {a.name} | {a.tests} | {a.implicates} | {a.clears} |" for a in plan.ARMS]
+    out += [""]
+    if not mine:
+        return out + ["No round-two run has finished yet.", ""]
+    kept, dropped = cv.deduplicated(mine)
+    out += ["### Runs", "", *curve_table(mine, dropped), ""]
+    arms = {a.name: [r for r in kept if _in_arm(r, a)] for a in plan.ARMS}
+    base = by_method(arms["baseline"])
+    out += ["### Verdicts", ""]
+    for a in plan.ARMS:
+        rs = by_method(arms[a.name])
+        if not arms[a.name]:
+            out.append(f"- **{a.name}**: not run (cut for time: seeds are cut before arms, and this sitting ended "
+                       "before it).")
+            continue
+        if a.name == "baseline":
+            lines = [diff_line("mu-grpo minus grpo μ = 4", rs.get("mu-grpo", []), rs.get("grpo", []),
+                               PAPER["mu-grpo - grpo"]),
+                     diff_line("grpo-high-staleness minus mu-grpo", rs.get("grpo-high-staleness", []),
+                               rs.get("mu-grpo", []), PAPER["grpo-high-staleness - mu-grpo"])]
+        elif a.name == "tau-by-veto-rate":
+            t = rs.get(plan.TAU_RULE_METHOD, [])
+            stage1 = _mean(cv.stage_rows(r)[0].get("veto_token_fraction") for r in t)
+            in_band = plan.TABLE5_STAGE0[0] <= stage1 <= plan.TABLE5_STAGE0[1]
+            lines = [f"- stage-1 vetoed tokens {_f(stage1, '.2%')}: "
+                     + ("in Table 5's band" if in_band else "**outside Table 5's band: the rule missed**"),
+                     diff_line("τ rule minus grpo-high-staleness (baseline)", t, base.get("grpo-high-staleness", [])),
+                     diff_line("τ rule minus τ 1e-4 (baseline mu-grpo)", t, base.get("mu-grpo", []), PAPER["tau"])]
+        else:
+            lines = [diff_line(f"{a.name}: mu-grpo minus grpo-high-staleness", rs.get("mu-grpo", []),
+                               rs.get("grpo-high-staleness", []), PAPER["minibatch"] if "minibatch" in a.name
+                               else ""),
+                     diff_line("baseline (2 x 8, lr 3e-5): mu-grpo minus grpo-high-staleness", base.get("mu-grpo", []),
+                               base.get("grpo-high-staleness", []))]
+            if a.name.startswith("drift"):
+                kl = _mean(x["kl_median"] for r in rs.get("mu-grpo", []) for x in cv.stage_rows(r))
+                kl0 = _mean(x["kl_median"] for r in base.get("grpo-high-staleness", []) for x in cv.stage_rows(r))
+                lines.append(f"- mu-grpo's per-stage median KL at lr 1e-5: {_f(kl)} (baseline grpo-high-staleness "
+                             f"at 3e-5: {_f(kl0)})")
+        out += [f"- **{a.name}** ({', '.join(f'{m} x{len(v)}' for m, v in sorted(rs.items()))}):"]
+        out += ["  " + x for x in lines]
+    out += ["", *veto_table(base, "round two baseline"), "", "### Time to accuracy (baseline arm, one sitting)", "",
+            *time_to_accuracy(arms["baseline"]), ""]
+    for a in plan.ARMS:
+        if arms[a.name] and figs.seed_mean_panels(by_method(arms[a.name]), fig_dir / f"r2_{a.name}.png",
+                                                  f"round two, {a.name}"):
+            out += [f"![{a.name}]({rel}/r2_{a.name}.png)", ""]
+    return out
+
+
+def _in_arm(r, a) -> bool:
+    c = r.s["config"]
+    mu_ok = r.mu == (4 if r.method == "grpo" else a.mu)
+    return (r.method in a.methods and mu_ok and r.lr == a.lr and r.updates == a.updates
+            and r.prompts_per_update == a.prompts and c.get("tag", "") == a.tag)

@@ -228,7 +228,7 @@ def check_tau_rule(a: argparse.Namespace) -> None:
     """The τ arm's method must carry the τ the registered rule gives on round one's set (fidelity_plan)."""
     tau, how = plan.tau_by_veto_rate([r for r in load_runs(a.summaries) if r.lab_model == a.round1_lab])
     flags = BY_LABEL[plan.TAU_RULE_METHOD].flags
-    if flags != ("--nav-threshold", f"{tau:g}"):
+    if flags[0] != "--nav-threshold" or float(flags[1]) != tau:
         raise SystemExit(f"bench/fidelity.py: the τ rule gives {tau:g} ({how}), but {plan.TAU_RULE_METHOD} runs with "
                          f"{' '.join(flags)}")
     print(f"τ rule: {how}", flush=True)

@@ -244,7 +244,8 @@ def test_round_two_runs_every_arms_first_seed_before_any_second():
     first = [(k.method.label, k.mu, k.prompts_per_update(a), k.updates, k.lr, k.tag) for k in keys if k.seed == 1]
     assert first[:3] == [("grpo", 4, 2, 4096, 3e-5, "timed"), ("mu-grpo", 1024, 2, 4096, 3e-5, "timed"),
                          ("grpo-high-staleness", 1024, 2, 4096, 3e-5, "timed")]
-    assert ("mu-grpo", 256, 8, 1024, 3e-5, "") in first and ("grpo-high-staleness", 64, 32, 256, 3e-5, "") in first
+    assert first[3][0] == plan.TAU_RULE_METHOD and ("mu-grpo", 256, 8, 1024, 3e-5, "") in first
+    assert ("grpo-high-staleness", 64, 32, 256, 3e-5, "") in first
     # equal data: every arm but the last sees 4 stages of 2048 prompts; evaluations at the same samples
     for k in keys:
         assert k.stages == (1024 if k.mu == 4 else 4)

@@ -109,9 +109,9 @@ def seed_mean_panels(by_method: dict[str, list], path: Path, title: str) -> bool
          lambda r: ([e["update"] for e in r.s["evals"]], r.acc("sampled")), None),
         ("clip fraction (window mean)", lambda r: r.series("clip_fraction"), "symlog"),
         ("E[ρ | A < 0] (window median)", lambda r: r.series("ratio_neg_adv_mean"), "log"),
-        ("ρ at the 10th pct of A < 0 tokens (exp of p10 log ρ)",
-         lambda r: (r.series("neg_adv_log_ratio_p10")[0],
-                    [math.exp(v) if math.isfinite(v) else math.nan for v in r.series("neg_adv_log_ratio_p10")[1]]),
+        ("ρ tail: min over tokens (window median), log axis; τ dashed",
+         lambda r: (r.series("log_ratio_min")[0],
+                    [math.exp(v) if math.isfinite(v) else math.nan for v in r.series("log_ratio_min")[1]]),
          "log"),
         ("vetoed-token fraction (window mean)", lambda r: r.series("veto_token_fraction"), "symlog"),
     )
@@ -127,6 +127,7 @@ def seed_mean_panels(by_method: dict[str, list], path: Path, title: str) -> bool
             _stage_lines(ax, every[0].updates, staged_mu)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=1e-4)
+            ax.set_ylim(bottom=0)
         elif scale == "log":
             ax.set_yscale("log")
         ax.tick_params(labelsize=7)

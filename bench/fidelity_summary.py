@@ -74,7 +74,8 @@ def summarize(save: Path, key: str, config: dict, evals: list[dict], times: dict
         curve[k] = [_agg([r.get(k) for r in ups[a:b]], k) for a, b in spans]
     run_means = {k: _agg([r.get(k) for r in ups], k) for k in MEAN_KEYS}
     stages = [r for r in rows if r["kind"] == "stage"]
-    at = {r["update"]: r["time"] for r in ups if "time" in r}  # seconds since the trainer started
+    # seconds since the trainer started; update records count from 0, so the export after u updates follows record u-1
+    at = {r["update"] + 1: r["time"] for r in ups if "time" in r}
     evals = [{**e, "time": 0.0 if e["update"] == 0 else at.get(e["update"])} for e in evals]
     return {"key": key, "config": config, "updates_done": n, **times, "evals": evals, "curve": curve,
             "per_stage": per_stage(ups),

@@ -89,6 +89,7 @@ class MemoryPlanConfig:
         "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
+    reference_model: bool = False  # the KL term's frozen π_ref (training/reference.py): params like the actor's
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -308,6 +309,8 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     moments = sharded(8)
     state = [("params (" + c.params_dtype + ")", params), ("fp32 main params", main), ("fp32 grad buffer", grads),
              ("Adam moments (fp32 x2)", moments)]
+    if c.reference_model:  # weights only, split like the actor's; offloaded with the trainer's state
+        state.append(("reference policy params (" + c.params_dtype + ")", params))
 
     s_split, s_whole = m.param_counts()
     server_weights = int(((s_split + m.expert_params()) / c.server_tp + s_whole) * e)

@@ -24,6 +24,7 @@ from megamu.records import RolloutSample
 from megamu.training.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
 from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
+from megamu.training.reference import ReferencePolicy
 from megamu.training.step import compute_logprobs, train_step
 from megamu.weights import LogprobProbe, Weights
 
@@ -39,7 +40,8 @@ class CheckpointConfig:
         "resumes from --save's own latest checkpoint"))
     pretrained_checkpoint: Path | None = flag("--pretrained-checkpoint", "--ref-load", default=None, type=Path, help=(
         "a new run's initial weights from a torch_dist checkpoint (Megatron-LM's name; slime's --ref-load): weights "
-        "only, update 0; --load and --save's checkpoints come first"))
+        "only, update 0; --load and --save's checkpoints come first. Also the KL term's reference policy "
+        "(--use-kl-loss; default: the initial HF weights)"))
     save_interval: int = flag("--save-interval", default=0, type=int,
                               help="updates between checkpoints (0: stage ends only)")
     keep: int = flag("--keep-checkpoints", default=2, type=int,
@@ -129,6 +131,21 @@ class Policy:
         self.loaded_from: Path | None = None  # where load_latest took the weights from
         self.resumed = False  # load_latest resumed this run's own checkpoint (under save_dir)
         self._cuda_train = self._cuda_rollout = None  # torch.cuda.memory_allocated at the same two points (GPU)
+        self.reference: ReferencePolicy | None = None  # the KL term's π_ref (build_reference), None without one
+
+    def build_reference(self) -> ReferencePolicy:
+        """π_ref for the KL term: a model built like this one holding the run's initial weights, whatever this run
+        resumes from: --pretrained-checkpoint (slime's --ref-load, an alias), else the initial HF weights."""
+        impl = self.cfg.transformer_impl or self.cfg.device.transformer_impl
+        model = build_model(self.arch, device=self.cfg.device, transformer_impl=impl, bf16=self.cfg.bf16,
+                            perform_initialization=False)
+        pretrained = self.cfg.checkpoint.pretrained_checkpoint
+        if pretrained is not None:
+            load_model_checkpoint(pretrained, model)
+        else:
+            load_hf_into_model(model, self.arch, self.hf_source)
+        self.reference = ReferencePolicy(model, pin_memory=self.cfg.device.is_cuda)
+        return self.reference
 
     def load_latest(self) -> dict | None:
         """The resume point before the start point: the run's own latest checkpoint under save_dir, so that a restart
@@ -164,6 +181,12 @@ class Policy:
 
     def update(self, samples: list[RolloutSample], algo: AlgoConfig) -> dict[str, float]:
         c = self.cfg
+        if algo.uses_reference:
+            if self.reference is None:
+                raise RuntimeError(f"algorithm {algo.name!r} has a KL term: call Policy.build_reference() first")
+            samples = self.reference.score(samples, temperature=c.temperature, micro_batch_size=c.micro_batch_size,
+                                           max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
+                                           share_prompts=self.share_prompts)
         stats = train_step(self.model, self.optimizer, samples, algo, micro_batch_size=c.micro_batch_size,
                            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.temperature,
                            skip_zero_advantage=c.skip_zero_advantage, share_prompts=self.share_prompts)
@@ -252,6 +275,8 @@ class Policy:
         under ``offload_dir`` on CPU; then the allocator's cache goes back to the driver."""
         if self.cfg.offload_train and not self._offloaded:
             self.optimizer.offload(self.cfg.offload_dir)
+            if self.reference is not None:
+                self.reference.offload()
             self._offloaded = True
         self.cfg.device.release_cache()
         self.mem_rollout = self.optimizer.memory()
@@ -261,6 +286,8 @@ class Policy:
         """After the rollout: everything ``offload`` moved comes back, bit for bit."""
         if self._offloaded:
             self.optimizer.reload()
+            if self.reference is not None:
+                self.reference.reload()
             self._offloaded = False
 
     def memory_record(self) -> dict[str, float]:

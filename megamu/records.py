@@ -23,6 +23,9 @@ class RolloutSample:
     finish_reason: str  # "stop" | "length" | "abort"
     stage: int = 0
     policy_version: int = 0
+    # log π_ref(a_t | x, a_<t) of a frozen reference policy (the KL term, megamu.algo.kl); set by the trainer just
+    # before an update (Policy.update), never stored with the stage's rollouts
+    ref_logprobs: list[float] | None = None
 
     @property
     def response_length(self) -> int:

@@ -171,6 +171,6 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,
         mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
         release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib,
-        temperature=policy.temperature,
+        temperature=policy.temperature, reference_model=run.algo.uses_reference,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
         else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size)

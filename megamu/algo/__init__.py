@@ -2,6 +2,7 @@
 
 from megamu.algo.advantages import ADVANTAGE_EPS, group_advantages
 from megamu.algo.config import AGGREGATIONS, AlgoConfig
+from megamu.algo.kl import KL_TYPES, kl_estimate
 from megamu.algo.loss import aggregate, m2po_mask, policy_loss
 from megamu.algo.presets import ALGORITHM_PRESETS, algo_preset
 from megamu.algo.tail import REFERENCE_TAU, lower_tail_stats, neg_adv_log_ratios
@@ -11,12 +12,14 @@ __all__ = [
     "ADVANTAGE_EPS",
     "AGGREGATIONS",
     "ALGORITHM_PRESETS",
+    "KL_TYPES",
     "REFERENCE_TAU",
     "VETO_SCOPES",
     "AlgoConfig",
     "aggregate",
     "algo_preset",
     "group_advantages",
+    "kl_estimate",
     "lower_tail_stats",
     "m2po_mask",
     "neg_adv_log_ratios",

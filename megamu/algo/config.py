@@ -1,9 +1,11 @@
-"""The update rule's settings (``AlgoConfig``): clipping range, veto, aggregation, M2PO mask."""
+"""The update rule's settings (``AlgoConfig``): clipping range, veto, aggregation, M2PO mask, KL and entropy terms."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
+from megamu.algo.kl import KL_TYPES
 from megamu.algo.veto import VETO_SCOPES
 from megamu.errors import ConfigError
 
@@ -16,7 +18,11 @@ class AlgoConfig:
 
     Ratio clip range [1 - clip_low, 1 + clip_high] (``clip_high=None``: no upper bound); the negative-advantage veto
     with threshold τ = ``veto_threshold`` (None: off) and ``veto_scope`` (§3.3, App. C.2); ``aggregation`` of the
-    per-token loss; ``m2po_threshold``: M2PO's second-moment mask (None: off)."""
+    per-token loss; ``m2po_threshold``: M2PO's second-moment mask (None: off).
+
+    Regularisers of slime's and verl's recipes, off in every paper preset: with ``use_kl_loss``, ``kl_coef`` x the
+    ``kl_type`` estimator of KL(π_θ ‖ π_ref) against a frozen reference policy (megamu.algo.kl); ``entropy_coef`` x
+    the policy's entropy subtracted (an entropy bonus). Both aggregated like the policy loss."""
 
     name: str
     clip_low: float = 0.2
@@ -25,6 +31,10 @@ class AlgoConfig:
     veto_scope: str = "sequence"
     aggregation: str = "seq-mean-token-mean"
     m2po_threshold: float | None = None
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_type: str = "k1"  # slime's default for --kl-loss-type
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low <= 1.0:
@@ -39,6 +49,19 @@ class AlgoConfig:
             raise ConfigError("aggregation", f"must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.m2po_threshold is not None and self.m2po_threshold <= 0:
             raise ConfigError("m2po_threshold", f"must be > 0, got {self.m2po_threshold}")
+        if self.kl_type not in KL_TYPES:
+            raise ConfigError("kl_type", f"must be one of {KL_TYPES}, got {self.kl_type!r}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ConfigError("kl_coef", f"must be a finite number >= 0, got {self.kl_coef}")
+        if self.kl_coef > 0 and not self.use_kl_loss:
+            raise ConfigError("kl_coef", f"{self.kl_coef} has no effect without the KL loss: add --use-kl-loss")
+        if not math.isfinite(self.entropy_coef):
+            raise ConfigError("entropy_coef", f"must be finite, got {self.entropy_coef}")
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference policy is needed (built, scored each update): the KL term is on with a coefficient > 0."""
+        return self.use_kl_loss and self.kl_coef > 0
 
     def describe(self) -> dict:
         """The settings without the name (the dry-run plan prints them)."""

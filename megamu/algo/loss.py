@@ -1,10 +1,12 @@
-"""Clipped policy-gradient surrogates for GRPO, μ-GRPO and M2PO (paper Eq. 2 and the J_μ-GRPO objective of §4)."""
+"""Clipped policy-gradient surrogates for GRPO, μ-GRPO and M2PO (paper Eq. 2 and the J_μ-GRPO objective of §4), with
+the KL and entropy regularisers of slime's and verl's recipes."""
 
 from __future__ import annotations
 
 import torch
 
 from megamu.algo.config import AGGREGATIONS, AlgoConfig
+from megamu.algo.kl import kl_estimate
 from megamu.algo.veto import veto_mask
 
 
@@ -60,8 +62,11 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     algo: AlgoConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The negated clipped surrogate −J and its diagnostics.
+    """The negated clipped surrogate −J, plus the regularisers ``algo`` turns on, and its diagnostics.
 
     ρ_t = exp(logp − behaviour_logp); per token −min(ρ_t A, clip(ρ_t, 1 − clip_low, 1 + clip_high) A) (Eq. 2), with
     A the response's advantage [B] and every setting from ``algo``. GRPO: clip_low = clip_high = 0.2. μ-GRPO:
@@ -69,12 +74,25 @@ def policy_loss(
     that range an A < 0 token with ρ ∈ (0, 5) has ∂loss/∂logπ = |A| ρ (§3.2). ``clip_high=None`` removes the upper
     bound; ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without gradient.
 
+    loss = pg_loss + kl_coef x agg(kl(logp, ref_logp)) − entropy_coef x agg(entropy), every term aggregated over all
+    response tokens with ``algo.aggregation`` (veto and clip act on the surrogate only), as slime's
+    ``policy_loss_function`` (slime/backends/megatron_utils/loss.py) and verl's dp_actor combine them. ``ref_logp``
+    [B, T]: the reference policy's log-probs (needed when ``algo.uses_reference``); ``entropy`` [B, T]: the policy's
+    per-token entropy (needed when ``algo.entropy_coef`` != 0; differentiable for the bonus to train).
+
     Returns (loss, stats); stats are detached floats: clip_fraction (response tokens whose clipped branch is active,
     i.e. zero gradient), veto_token_fraction, veto_sequence_fraction, m2po_mask_fraction, ratio_mean,
     ratio_neg_adv_mean (E[ρ | A < 0], the collapse signal of §3.2, NaN when no A < 0 token), log_ratio_min,
-    approx_kl (k3 estimate of KL(β ‖ π_θ) on β's samples: E[ρ − 1 − log ρ]), and the counts n_tokens, n_sequences,
-    n_neg_adv_tokens that callers need to average stats over micro-batches.
+    approx_kl (k3 estimate of KL(β ‖ π_θ) on β's samples: E[ρ − 1 − log ρ]), the loss's terms pg_loss, kl_loss (when
+    ``ref_logp`` is given) and entropy_loss (agg(entropy), when ``entropy`` is given), each as aggregated (weighted
+    like the loss across micro-batches), and the counts n_tokens, n_sequences, n_neg_adv_tokens that callers need to
+    average stats over micro-batches.
     """
+    if algo.uses_reference and ref_logp is None:
+        raise ValueError(f"algorithm {algo.name!r} has a KL term (kl_coef={algo.kl_coef}): policy_loss needs ref_logp")
+    if algo.entropy_coef and entropy is None:
+        raise ValueError(f"algorithm {algo.name!r} has an entropy term (entropy_coef={algo.entropy_coef}): "
+                         "policy_loss needs entropy")
     mask = response_mask.bool()
     dtype = torch.promote_types(logp.dtype, torch.float32)  # bf16 inputs are computed in fp32, fp64 stays fp64
     log_ratio = (logp.to(dtype) - behaviour_logp.to(dtype)).masked_fill(~mask, 0.0)
@@ -90,7 +108,19 @@ def policy_loss(
     if algo.m2po_threshold is not None:
         keep &= m2po_mask(log_ratio, after_veto, algo.m2po_threshold)
     per_token = -surrogate * keep
-    loss = aggregate(per_token, mask, algo.aggregation)
+    pg_loss = aggregate(per_token, mask, algo.aggregation)
+    loss = pg_loss
+    terms = {"pg_loss": float(pg_loss.detach())}
+    if ref_logp is not None:
+        kl_loss = aggregate(kl_estimate(logp, ref_logp, algo.kl_type).masked_fill(~mask, 0.0), mask, algo.aggregation)
+        terms["kl_loss"] = float(kl_loss.detach())
+        if algo.uses_reference:
+            loss = loss + algo.kl_coef * kl_loss
+    if entropy is not None:
+        entropy_loss = aggregate(entropy.to(dtype).masked_fill(~mask, 0.0), mask, algo.aggregation)
+        terms["entropy_loss"] = float(entropy_loss.detach())
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * entropy_loss
 
     with torch.no_grad():
         n_tok = int(mask.sum())
@@ -108,6 +138,7 @@ def policy_loss(
             "ratio_neg_adv_mean": float(ratio[neg].mean()) if bool(neg.any()) else float("nan"),
             "log_ratio_min": float(log_ratio[mask].min()) if n_tok else float("nan"),
             "approx_kl": float((ratio - 1 - log_ratio)[mask].mean()) if n_tok else float("nan"),
+            **terms,
             "n_tokens": float(n_tok),
             "n_sequences": float(logp.shape[0]),
             "n_neg_adv_tokens": float(neg.sum()),

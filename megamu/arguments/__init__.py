@@ -11,7 +11,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, VETO_SCOPES, AlgoConfig, algo_preset
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig, algo_preset
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
     _config,
@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
     add_fields(g, RolloutConfig, ["n_samples"])
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
-    add_fields(g, AlgoConfig, attached=ALGO_FLAGS, choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS})
+    add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
+               choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
     add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 

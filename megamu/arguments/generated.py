@@ -21,6 +21,16 @@ ALGO_FLAGS = {
     "veto_scope": FlagSpec(("--nav-scope",), None, {"choices": None, "default": None}),  # choices: VETO_SCOPES
     "m2po_threshold": FlagSpec(("--m2po-threshold",), None, {"type": float, "default": None}),
     "aggregation": FlagSpec(("--loss-aggregation",), None, {"choices": None, "default": None}),  # AGGREGATIONS
+    # slime's names (verl: actor.use_kl_loss, kl_loss_coef, kl_loss_type, entropy_coeff)
+    "use_kl_loss": FlagSpec(("--use-kl-loss",), "a KL term against a frozen reference policy (--ref-load's weights, "
+                            "else the initial ones), scaled by --kl-loss-coef", {"action": "store_true",
+                                                                                 "default": None}),
+    "kl_coef": FlagSpec(("--kl-loss-coef",), "coefficient of the KL term (0: no reference model is built)",
+                        {"type": float, "default": None}),
+    "kl_type": FlagSpec(("--kl-loss-type",), "KL estimator (low_var_kl: k3 clamped to [-10, 10])",
+                        {"choices": None, "default": None}),  # choices: KL_TYPES
+    "entropy_coef": FlagSpec(("--entropy-coef",), "coefficient of the entropy bonus (loss -= coef x entropy)",
+                             {"type": float, "default": None}),
 }
 
 

@@ -35,6 +35,8 @@ class Run:
         self.prompts = Prompts(cfg.prompts, self.tokenizer)
         self.state = RunState()
         saved = self.policy.load_latest()
+        if cfg.algo.uses_reference:  # the KL term's π_ref: the run's initial weights (not built at coefficient 0)
+            self.policy.build_reference()
         if saved is not None:
             self.state.load_state_dict(saved)
             if self.plan.rollout_mode != "async" and self.state.update >= (self.state.stage + 1) * self.plan.mu:

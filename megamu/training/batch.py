@@ -32,6 +32,7 @@ class PackedBatch:
     response_mask: torch.Tensor  # [n, width] bool, True on response tokens
     behaviour_logp: torch.Tensor  # [n, width] float32, 0 outside the response
     advantages: torch.Tensor  # [n] float32
+    ref_logp: torch.Tensor | None = None  # [n, width] float32, 0 outside the response; None: no reference scored
 
     @property
     def n_sequences(self) -> int:
@@ -46,6 +47,7 @@ class PackedBatch:
         return PackedBatch(
             self.input_ids.to(device), mask, self.score_index.to(device), self.targets.to(device),
             self.response_mask.to(device), self.behaviour_logp.to(device), self.advantages.to(device),
+            None if self.ref_logp is None else self.ref_logp.to(device),
         )
 
 
@@ -58,6 +60,9 @@ def _check(sample: RolloutSample) -> None:
             f"{where} has {len(sample.behaviour_logprobs)} behaviour log-probs for {len(sample.response_ids)} "
             "response tokens; they must match one to one"
         )
+    if sample.ref_logprobs is not None and len(sample.ref_logprobs) != len(sample.response_ids):
+        raise ValueError(f"{where} has {len(sample.ref_logprobs)} reference log-probs for "
+                         f"{len(sample.response_ids)} response tokens; they must match one to one")
 
 
 def prompt_groups(samples: list[RolloutSample]) -> list[list[RolloutSample]]:
@@ -93,6 +98,10 @@ def pack(samples: list[RolloutSample], share_prompts: bool = False) -> PackedBat
     targets = torch.full((n, width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.bool)
     behaviour = torch.zeros((n, width), dtype=torch.float32)
+    with_ref = [s.ref_logprobs is not None for s in samples]
+    if any(with_ref) and not all(with_ref):
+        raise ValueError("pack(): some samples carry reference log-probs and some do not")
+    ref = torch.zeros((n, width), dtype=torch.float32) if all(with_ref) else None
     i = 0
     for row, group in enumerate(rows):
         p = len(group[0].prompt_ids)
@@ -117,13 +126,15 @@ def pack(samples: list[RolloutSample], share_prompts: bool = False) -> PackedBat
             targets[i, :r] = response
             mask[i, :r] = True
             behaviour[i, :r] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+            if ref is not None:
+                ref[i, :r] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
             i += 1
         if visible is not None:  # padding sees itself only: no empty softmax row (its output is never read)
             pad = torch.arange(end, seq_len)
             visible[row, pad, pad] = True
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     attention_mask = None if visible is None else ~visible[:, None]
-    return PackedBatch(input_ids, attention_mask, index, targets, mask, behaviour, advantages)
+    return PackedBatch(input_ids, attention_mask, index, targets, mask, behaviour, advantages, ref)
 
 
 def unpack_response(values: torch.Tensor, batch: PackedBatch) -> list[list[float]]:

@@ -35,6 +35,8 @@ from megamu.training.batch import (
 
 # policy_loss stats that are means over response tokens (re-weighted by token counts across micro-batches and ranks)
 TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ratio_mean", "approx_kl")
+# policy_loss's terms: aggregated like the loss, so weighted like it (exact over the minibatch)
+LOSS_TERMS = ("pg_loss", "kl_loss", "entropy_loss")
 
 
 def response_logprobs(
@@ -78,6 +80,7 @@ def train_step(
 
     ``skip_zero_advantage``: samples with A = 0 (groups whose rewards are all equal) contribute exactly zero loss and
     gradient, so their forward/backward can be skipped without changing the update; the denominators still count them.
+    Not with a KL or entropy term, which A = 0 samples carry too: then every sample is trained.
     Token statistics (ratio, entropy, clip/veto fractions) are then over the trained samples only, and M2PO's
     per-call second moment excludes them.
     """
@@ -90,7 +93,7 @@ def train_step(
     n_tok = sum(s.response_length for s in samples)
 
     local = data_parallel_share(samples, parallel.dp_rank(), parallel.dp_size())
-    if skip_zero_advantage:
+    if skip_zero_advantage and not (algo.uses_reference or algo.entropy_coef):  # those terms train A = 0 samples too
         local = [s for s in local if s.advantage != 0.0]
     # Shorter rows together waste less padding; the gradient is a sum over micro-batches, so the order is free.
     local = [local[i] for i in length_order(local, share_prompts)]
@@ -100,7 +103,7 @@ def train_step(
 
     # Sums over this rank's micro-batches, all-reduced over DP below.
     sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", "read_tokens",
-                          "row_tokens", *TOKEN_STATS), 0.0)
+                          "row_tokens", *TOKEN_STATS, *LOSS_TERMS), 0.0)
     sums["veto_sequence_fraction"] = 0.0
     log_ratio_min = math.inf
     tails: list[tuple[torch.Tensor, torch.Tensor]] = []  # A < 0 tokens' log ρ and replies' min: a quantile, not a sum
@@ -109,8 +112,13 @@ def train_step(
     for mb in micro_batches:
         batch = pack(mb, share_prompts).to(device)
         logp, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=True)
-        entropy = entropy.detach()  # a metric: dropping its graph now frees its vocab-sized temporaries
-        loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, algo)
+        if not algo.entropy_coef:
+            entropy = entropy.detach()  # a metric: dropping its graph now frees its vocab-sized temporaries
+        if algo.uses_reference and batch.ref_logp is None:
+            raise ValueError("the KL term needs the samples' reference log-probs (Policy.update scores them)")
+        loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, algo,
+                               ref_logp=batch.ref_logp, entropy=entropy)
+        entropy = entropy.detach()
         mb_tok = st["n_tokens"]
         weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
         (loss * weight).backward()
@@ -120,6 +128,8 @@ def train_step(
         sums["read_tokens"] += batch.input_ids.numel()  # positions the model reads, padding included
         sums["row_tokens"] += sum(row_lengths(mb, share_prompts))
         sums["loss"] += float(loss.detach()) * weight
+        for k in LOSS_TERMS:
+            sums[k] += st.get(k, 0.0) * weight
         sums["entropy"] += float((entropy * batch.response_mask).sum())
         sums["tokens"] += mb_tok
         sums["rows"] += rows
@@ -157,6 +167,9 @@ def train_step(
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
     metrics = {
         "loss": t["loss"],
+        "pg_loss": t["pg_loss"],
+        "entropy_loss": t["entropy_loss"],
+        **({"kl_loss": t["kl_loss"]} if any(s.ref_logprobs is not None for s in samples) else {}),
         **{k: per(k, t["tokens"]) for k in TOKEN_STATS},
         "veto_sequence_fraction": per("veto_sequence_fraction", t["rows"]),
         "ratio_neg_adv_mean": per("ratio_neg_adv", t["neg_tokens"]),

@@ -226,3 +226,19 @@ def test_a_push_that_cannot_fit_is_refused():
     tight = replace(c, gpu_memory_gib=(need + train) / 2)
     with pytest.raises(ConfigError, match="push"):
         plan_memory(tight).check()
+
+
+def test_reference_policy_adds_one_copy_of_the_params_offloaded_with_the_trainer():
+    """The KL term's π_ref (--use-kl-loss): the actor's parameters once more, by hand; with the trainer's state on the
+    device during the rollout (--no-offload-train) it stays there too."""
+    m = tiny_qwen2()
+    n = (2 * (30976 - 128) + 2 * 256 * 64) // 2 + (2 * 128 + 64)  # one TP rank's parameters (test above)
+    base = MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, tp=2, dp=4, rollout_mode="staged")
+    with_ref = replace(base, reference_model=True)
+    rows = {(r.phase, r.part): r.bytes for r in plan_memory(with_ref).rows()}
+    assert rows[("training", "reference policy params (bf16)")] == 2 * n
+    assert plan_memory(with_ref).total("training") - plan_memory(base).total("training") == 2 * n
+    assert ("rollout (staged)", "trainer reference policy params (bf16)") not in rows  # offloaded with the trainer
+    kept = plan_memory(replace(with_ref, offload_train=False))
+    assert {r.part: r.bytes for r in kept.rows() if r.phase == "rollout (staged)"}[
+        "trainer reference policy params (bf16)"] == 2 * n

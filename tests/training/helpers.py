@@ -52,7 +52,8 @@ def set_behaviour(samples: list[RolloutSample], logprobs: list[list[float]], noi
 
 
 def reference_loss(model, samples: list[RolloutSample], algo: AlgoConfig, temperature: float = 1.0):
-    """policy_loss over the whole minibatch in one call: the objective train_step must reproduce."""
+    """policy_loss over the whole minibatch in one call: the objective train_step must reproduce (with the KL term's
+    reference log-probs when the samples carry them, and the policy's entropy for the entropy term)."""
     from megamu.model import forward_logprobs
 
     # Built independently of megamu.training.batch: one row per sample in forward_logprobs' [b, s-1] frame.
@@ -60,14 +61,17 @@ def reference_loss(model, samples: list[RolloutSample], algo: AlgoConfig, temper
     ids = torch.zeros(len(samples), s_max, dtype=torch.long)
     mask = torch.zeros(len(samples), s_max - 1, dtype=torch.bool)
     beh = torch.zeros(len(samples), s_max - 1)
+    ref = torch.zeros(len(samples), s_max - 1) if samples[0].ref_logprobs is not None else None
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         mask[i, p - 1 : p - 1 + r] = True
         beh[i, p - 1 : p - 1 + r] = torch.tensor(s.behaviour_logprobs)
-    logp, _ = forward_logprobs(model, ids, temperature=temperature)
+        if ref is not None:
+            ref[i, p - 1 : p - 1 + r] = torch.tensor(s.ref_logprobs)
+    logp, entropy = forward_logprobs(model, ids, temperature=temperature, with_entropy=bool(algo.entropy_coef))
     adv = torch.tensor([s.advantage for s in samples])
-    return policy_loss(logp, beh, adv, mask, algo)
+    return policy_loss(logp, beh, adv, mask, algo, ref_logp=ref, entropy=entropy)
 
 
 def fp64_model_rtol(arch) -> float:

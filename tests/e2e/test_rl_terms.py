@@ -1,0 +1,27 @@
+"""Issue #45 as a slime / verl user runs it: the KL and entropy terms of their recipes train and are recorded."""
+
+import pytest
+import torch
+
+from tests.e2e.runs import MU, STAGES, flags, launch, records
+
+pytestmark = pytest.mark.slow  # every test launches a trainer
+
+
+def test_kl_and_entropy_terms_train_and_are_recorded(tiny, tmp_path):
+    save = tmp_path / "kl"
+    launch([*flags(tiny, save), "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl",
+            "--entropy-coef", "0.001"])
+    updates = records(save, "update")
+    assert len(updates) == MU * STAGES
+    for r in updates:  # the loss is the sum of its logged terms (each an fp32 value: a few roundings of each apart)
+        terms = (r["pg_loss"], 0.01 * r["kl_loss"], -0.001 * r["entropy_loss"])
+        bound = 16 * torch.finfo(torch.float32).eps * sum(abs(t) for t in terms)
+        assert r["loss"] == pytest.approx(sum(terms), rel=0, abs=bound)
+        assert r["entropy_loss"] > 0
+    # π_ref is the initial weights: at the first update the policy is π_ref (k3 of log-probs that differ only by
+    # float rounding, ~1e-7 each, is ~1e-14), then it moves away and the KL grows; the reference stays put across the
+    # stage's offload and reload
+    assert abs(updates[0]["kl_loss"]) < 1e-9
+    assert all(r["kl_loss"] > 1e-9 for r in updates[1:])
+    assert updates[-1]["kl_loss"] > updates[1]["kl_loss"]

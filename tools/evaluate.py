@@ -47,7 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="drop problems whose prompt is over --max-prompt-length instead of failing")
     g.add_argument("--prompt-key", default="problem")
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
-    g.add_argument("--reward-workers", type=int, default=None)
     add_reward_arguments(p)  # the trainer's reward flags, same spelling
     add_engine_arguments(p)  # the trainer's engine flags, same spelling
     p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from megamu.reward import RewardScorer
+    from megamu.reward import make_scorer
 
     if args.run:
         checkpoints = run_checkpoints(args.run)
@@ -113,10 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
         skip_bad_rows=args.skip_bad_rows, prompt_key=args.prompt_key,
         answer_key=args.answer_key, reward_fn=reward_description(args.reward_config),
     )
-    spec, kwargs = args.reward_config.spec_and_kwargs()
-    cfg = args.reward_config  # --reward-timeout and --reward-error-tolerance, as in training
-    with RewardScorer(spec, timeout_s=cfg.item_timeout_s, num_workers=args.reward_workers, fn_kwargs=kwargs,
-                      max_error_fraction=cfg.max_error_fraction) as scorer:
+    # the training's reward pool: --reward-timeout, --reward-error-tolerance, --reward-workers ... as in training
+    with make_scorer(args.reward_config) as scorer:
         summary = evaluate_checkpoints(
             checkpoints, engine_factory(args), AutoTokenizer.from_pretrained, scorer, args.benchmarks, settings, out,
             save_responses=args.save_responses, overwrite=args.overwrite,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 from dataclasses import replace
 
@@ -91,7 +92,20 @@ def reward_config(args: argparse.Namespace) -> RewardConfig:
     if args.code_sandbox_url and not args.code_sandbox_url.startswith(("http://", "https://")):
         _error("--code-sandbox-url", f"expected an http(s):// URL, got {args.code_sandbox_url!r}")
     return _config(RewardConfig, at="rollout.reward", **field_values(RewardConfig, args),
-                   num_workers=getattr(args, "reward_workers", None))
+                   run_args=run_namespace(args))
+
+
+def run_namespace(args: argparse.Namespace) -> dict:
+    """slime's ``custom_rm(args, sample)`` gets the run's flags as ``args``: each under its argparse name
+    (``args.n_samples_per_prompt``, ``args.reward_fn``, ...), as JSON values (paths as strings): the reward workers
+    are other processes."""
+    def plain(value):
+        try:
+            json.dumps(value)
+            return value
+        except TypeError:
+            return str(value)
+    return {k: plain(v) for k, v in vars(args).items() if not k.startswith("_")}
 
 
 def answer_key(args: argparse.Namespace) -> str:

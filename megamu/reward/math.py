@@ -6,6 +6,8 @@ never from a thread.
 
 from __future__ import annotations
 
+import re
+
 # Gold answers of the math benchmarks are far shorter; longer "answers" only cost sympy time and are never right.
 MAX_ANSWER_CHARS = 1000
 
@@ -70,3 +72,24 @@ def math_score(response: str, ground_truth: str) -> float:
         return 1.0 if verify_answer(pred, ground_truth) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down; unparseable means wrong
         return 0.0
+
+
+GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The number after the first ``#### `` (GSM8K's answer line), commas and ``$`` removed, a sentence's final period
+    dropped; None without one. The rule of verl's ``extract_solution(method="strict")``
+    (verl/utils/reward_score/gsm8k.py), which also checks the reply's format; the period is megamu's addition."""
+    m = GSM8K_ANSWER.search(text)
+    if m is None:
+        return None
+    return m.group(1).replace(",", "").replace("$", "").rstrip(".") or None
+
+
+def gsm8k_score(response: str, ground_truth: str) -> float:
+    """1.0 when the reply's ``#### N`` answer is the ground truth's number (a bare number, or GSM8K's full solution
+    ending in ``#### N``), else 0.0 (verl's gsm8k ``compute_score`` with format_score 0)."""
+    answer = gsm8k_answer(response)
+    truth = gsm8k_answer(ground_truth) if "####" in ground_truth else ground_truth.strip().replace(",", "")
+    return 1.0 if answer is not None and answer == truth else 0.0

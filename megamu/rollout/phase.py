@@ -43,11 +43,11 @@ from megamu.rollout.dataset import (
 PLAN = "plan.json"
 
 
-def _score(scorer, responses: list[str], truths: list[str], metas: list) -> list[float]:
+def _score(scorer, responses: list[str], truths: list[str], metas: list, group_size: int) -> list[float]:
     from megamu.reward.pool import RewardScorer
 
     if isinstance(scorer, RewardScorer):  # the rows' data_source and extra_info, for verl and slime functions
-        return scorer.score(responses, truths, metas)
+        return scorer.score(responses, truths, metas, group_size=group_size)
     return scorer.score(responses, truths) if hasattr(scorer, "score") else list(scorer(responses, truths))
 
 
@@ -77,8 +77,11 @@ def score_groups(engine: Engine, prompts: list[PromptRecord], out: list, n_sampl
             raise RuntimeError(f"engine {type(engine).__name__} returned {len(s.output_ids)} tokens but "
                                f"{len(s.output_logprobs)} log-probs for prompt {s.prompt_id} sample {s.sample_index}")
     texts = tokenizer.batch_decode([s.output_ids for s in out], skip_special_tokens=True)
-    rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)],
-                     [p.meta for p in prompts for _ in range(n_samples)])
+    rendered = tokenizer.batch_decode([p.prompt_ids for p in prompts])  # what the model read (slime's sample.prompt)
+    metas = [replace(prompts[i // n_samples].meta, rendered_prompt=rendered[i // n_samples],
+                     finish_reason=s.finish_reason, prompt_ids=list(prompts[i // n_samples].prompt_ids),
+                     response_ids=list(s.output_ids)) for i, s in enumerate(out)]
+    rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)], metas, n_samples)
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(len(prompts), n_samples)).flatten().tolist()
     samples = [
         RolloutSample(

@@ -26,3 +26,22 @@ async def custom_rm(args, sample):
     """slime's signature: the row's metadata column reaches the Sample (and a label it must see)."""
     assert sample.label.isdigit(), sample.label
     return sample.metadata["weight"]
+
+
+def always_hangs(response: str, ground_truth: str) -> float:
+    """A remote judge that never answers."""
+    import time
+
+    time.sleep(3600)
+    return 0.0
+
+
+def group_checks(args, samples):
+    """slime's --group-rm custom_rm: one call per prompt group; 1.0 per sample when what slime would give it holds
+    (a rollout group is the run's --n-samples-per-prompt samples, a held-out evaluation's one greedy reply;
+    sample.prompt is the prompt as the model read it, after the chat template)."""
+    assert len(samples) in (args.n_samples_per_prompt, 1), (len(samples), args.n_samples_per_prompt)
+    for s in samples:
+        assert s.prompt.startswith("<|im_start|>user\n") and s.prompt.endswith("<|im_start|>assistant\n"), s.prompt
+        assert s.status in (s.Status.COMPLETED, s.Status.TRUNCATED) and len(s.tokens) > s.response_length
+    return [1.0] * len(samples)

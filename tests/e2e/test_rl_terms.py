@@ -25,3 +25,28 @@ def test_kl_and_entropy_terms_train_and_are_recorded(tiny, tmp_path):
     assert abs(updates[0]["kl_loss"]) < 1e-9
     assert all(r["kl_loss"] > 1e-9 for r in updates[1:])
     assert updates[-1]["kl_loss"] > updates[1]["kl_loss"]
+
+
+def test_a_judge_that_always_hangs_stops_the_run_naming_the_timeout(tiny, tmp_path):
+    save = tmp_path / "hang"
+    proc = launch([*flags(tiny, save), "--reward-fn", "tests.e2e.rewards:always_hangs", "--reward-timeout", "0.5"],
+                  check=False)
+    assert proc.returncode != 0
+    for part in ("RewardFunctionError", "tests.e2e.rewards:always_hangs", "timed out after 0.5 s (--reward-timeout)",
+                 "--reward-error-tolerance"):
+        assert part in proc.stderr, part
+    assert not list((save / "rollouts" / "stage_0").glob("*.parquet"))  # no shard scored with zeros was kept
+
+
+def test_slime_group_rm_gets_the_runs_args_and_rendered_prompts(tiny, tmp_path):
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + 1 = ?"}], "label": str(i + 1)})
+                            + "\n" for i in range(24)))
+    save = tmp_path / "group"
+    proc = launch([*flags(tiny, save), "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+                   "--apply-chat-template", "--custom-rm-path", "tests.e2e.rewards.group_checks", "--group-rm"],
+                  env={"MEGAMU_CRASH_AFTER": "stage:0"}, check=False)
+    stage, = records(save, "stage")
+    assert stage["reward_mean"] == 1.0 and stage["reward_errors"] == 0, proc.stderr[-3000:]

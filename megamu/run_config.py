@@ -96,6 +96,18 @@ class RunConfig:
         if self.recompute_behaviour_logprobs and self.plan.rollout_mode == "async":
             raise ConfigError("recompute_behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
                                                               "engine's log-probs")
+        self._check_dapo()
+
+    def _check_dapo(self) -> None:
+        """DAPO's rollout-side settings against the rollout they shape (megamu.algo.dapo)."""
+        buffer, limit = self.algo.overlong_buffer, self.plan.max_response_len
+        if buffer is not None and buffer >= limit:
+            raise ConfigError("algo.overlong_buffer", f"{buffer} tokens leaves no unpunished length under the "
+                              f"response limit of {limit} (--rollout-max-response-len); DAPO used 4096 of 20480")
+        if self.algo.dynamic_sampling and self.plan.is_async:
+            raise ConfigError("algo.dynamic_sampling", "refills a stage's dataset: staged and colocated modes only")
+        if buffer is not None and self.plan.is_async:
+            raise ConfigError("algo.overlong_buffer", "shapes a stage's rewards: staged and colocated modes only")
 
     def derive(self) -> None:
         """Fill in the fields left None that follow from the mode and the device (explicit values stay). Frozen

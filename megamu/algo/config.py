@@ -22,7 +22,12 @@ class AlgoConfig:
 
     Regularisers of slime's and verl's recipes, off in every paper preset: with ``use_kl_loss``, ``kl_coef`` x the
     ``kl_type`` estimator of KL(π_θ ‖ π_ref) against a frozen reference policy (megamu.algo.kl); ``entropy_coef`` x
-    the policy's entropy subtracted (an entropy bonus). Both aggregated like the policy loss."""
+    the policy's entropy subtracted (an entropy bonus). Both aggregated like the policy loss.
+
+    DAPO's rollout-side parts (megamu.algo.dapo), applied where a stage's groups are scored: ``overlong_buffer``
+    (tokens; None: off) and ``overlong_penalty_factor`` of the soft overlong punishment; ``dynamic_sampling``: groups
+    whose rewards are all equal are dropped and the stage refilled with new prompts' groups, in at most
+    ``max_sampling_rounds`` generation rounds (verl's max_num_gen_batches)."""
 
     name: str
     clip_low: float = 0.2
@@ -35,6 +40,10 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_type: str = "k1"  # slime's default for --kl-loss-type
     entropy_coef: float = 0.0
+    overlong_buffer: int | None = None
+    overlong_penalty_factor: float = 1.0
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 10
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low <= 1.0:
@@ -57,6 +66,12 @@ class AlgoConfig:
             raise ConfigError("kl_coef", f"{self.kl_coef} has no effect without the KL loss: add --use-kl-loss")
         if not math.isfinite(self.entropy_coef):
             raise ConfigError("entropy_coef", f"must be finite, got {self.entropy_coef}")
+        if self.overlong_buffer is not None and self.overlong_buffer < 1:
+            raise ConfigError("overlong_buffer", f"must be >= 1 token (or off), got {self.overlong_buffer}")
+        if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+            raise ConfigError("overlong_penalty_factor", f"must be >= 0, got {self.overlong_penalty_factor}")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError("max_sampling_rounds", f"must be >= 1, got {self.max_sampling_rounds}")
 
     @property
     def uses_reference(self) -> bool:

@@ -16,6 +16,11 @@ ALGORITHM_PRESETS: dict[str, AlgoConfig] = {
     "grpo-relaxed": AlgoConfig("grpo-relaxed", clip_low=1.0, clip_high=4.0),
     # M2PO: no ratio clip, second-moment mask at 0.04 (App. B).
     "m2po": AlgoConfig("m2po", clip_low=1.0, clip_high=None, m2po_threshold=0.04),
+    # DAPO (arXiv 2503.14476 §3, Table 1's run; verl recipe/dapo/run_dapo_qwen2.5_32b.sh): clip-higher ε_low 0.2,
+    # ε_high 0.28; token-level loss; soft overlong punishment with a 4096-token buffer (of a 20480-token limit),
+    # factor 1; dynamic sampling, at most 10 generation rounds per batch; no KL term, no entropy term.
+    "dapo": AlgoConfig("dapo", clip_low=0.2, clip_high=0.28, aggregation="token-mean", overlong_buffer=4096,
+                       overlong_penalty_factor=1.0, dynamic_sampling=True, max_sampling_rounds=10),
 }
 
 

@@ -31,6 +31,18 @@ ALGO_FLAGS = {
                         {"choices": None, "default": None}),  # choices: KL_TYPES
     "entropy_coef": FlagSpec(("--entropy-coef",), "coefficient of the entropy bonus (loss -= coef x entropy)",
                              {"type": float, "default": None}),
+    # DAPO's (verl: reward_model.overlong_buffer.len / penalty_factor, algorithm.filter_groups, max_num_gen_batches)
+    "overlong_buffer": FlagSpec(("--overlong-buffer-len",), "DAPO's soft overlong punishment: replies within this "
+                                "many tokens of --rollout-max-response-len lose reward linearly, down to -factor",
+                                {"type": int, "default": None}),
+    "overlong_penalty_factor": FlagSpec(("--overlong-penalty-factor",), None, {"type": float, "default": None}),
+    "dynamic_sampling": FlagSpec(("--dynamic-sampling",), "DAPO's dynamic sampling: drop groups whose rewards are "
+                                 "all equal and refill the stage with new prompts' groups",
+                                 {"action": "optional_bool", "default": None}),
+    "max_sampling_rounds": FlagSpec(("--max-sampling-rounds",), "generation rounds per stage with "
+                                    "--dynamic-sampling (the first included); short of groups after them, the "
+                                    "stage keeps dropped ones (its record says how many)",
+                                    {"type": int, "default": None}),
 }
 
 

@@ -94,3 +94,14 @@ class Prompts:
         per = self.cfg.prompts_per_stage
         picked = epoch_stream(len(self.train), self.cfg.seed, stage * per, per)
         return [replace(self.train[i], prompt_id=j) for j, i in enumerate(picked)]
+
+    def for_sampling_round(self, stage: int, round_: int) -> list[PromptRecord]:
+        """Dynamic sampling's generation round ``round_`` of ``stage``: round 0 is the stage's own prompts; a refill
+        round r draws B_train prompts from a shuffle of its own (seeded by the run's seed, the stage and r), so the
+        stages' stream, and with it every later stage, stays what it is. Prompt ids r·B_train + j: each request's
+        seed (derived from the prompt id) differs from every other round's."""
+        if round_ == 0:
+            return self.for_stage(stage)
+        per = self.cfg.prompts_per_stage
+        picked = epoch_stream(len(self.train), f"{self.cfg.seed}/refill/{stage}/{round_}", 0, per)
+        return [replace(self.train[i], prompt_id=round_ * per + j) for j, i in enumerate(picked)]

@@ -100,6 +100,9 @@ class Run:
                          all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length,
                          **({"servers": m.extra["servers"]} if m.extra.get("servers") else {}),  # per SGLang server
                          **{k: m.extra.get(k, 0) for k in ("reward_errors", "reward_timeouts")},
+                         # DAPO's: replies in the overlong buffer; dynamic sampling's rounds and groups
+                         **{k: m.extra[k] for k in ("overlong_fraction",) if k in m.extra},
+                         **{f"dynamic_sampling_{k}": v for k, v in m.extra.get("dynamic_sampling", {}).items()},
                          **self.policy.memory_record())
         if self.metrics.tracker is not None:  # a few of D_k's generations, decoded (verl's generations table)
             rows = [[stage, s.prompt_id, s.sample_index, self.tokenizer.decode(s.prompt_ids),

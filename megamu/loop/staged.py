@@ -12,11 +12,13 @@ import time
 from dataclasses import replace
 
 from megamu import parallel
+from megamu.algo.dapo import OverlongShaping
 from megamu.data.prompts import stop_token_ids
 from megamu.engines.lifecycle import EngineLifecycle, make_lifecycle
 from megamu.loop.heldout import evaluate_sets
 from megamu.reward import make_scorer
 from megamu.rollout.dataset import StageDataset
+from megamu.rollout.dynamic import run_dynamic_rollout
 from megamu.rollout.phase import run_rollout_phase
 
 PROBE_TOKENS = 32  # tokens of the first held-out prompt whose log-probs check each SGLang push
@@ -40,11 +42,7 @@ def train_staged(run) -> None:
             t1 = time.perf_counter()
             engine.start(stage)  # 3. β_k up (every rank: SGLang servers may start on every node)
             if parallel.is_main_rank():  # rank 0 writes D_k
-                run_rollout_phase(engine.engine, run.prompts.for_stage(stage), run_dir.stage_rollouts(stage),
-                                  sampling=sampling(run, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
-                                  tokenizer=run.tokenizer, stage=stage, policy_version=policy.version,
-                                  groups_per_shard=cfg.rollout.groups_per_shard,
-                                  shards_per_call=cfg.rollout.shards_per_call, model_path=str(engine.hf_dir or ""))
+                rollout(run, engine, scorer, stage)
             if stage == 0 or cfg.evaluation.due(run.state.update):  # on the engine that holds θ_k (--eval-interval)
                 label = "base" if stage == 0 else f"update {run.state.update}"
                 t_eval = evaluate(run, engine, scorer, stage, label) or t_eval
@@ -64,6 +62,23 @@ def train_staged(run) -> None:
         run_dir.prune_stage_export(engine.launch_stage)
     if scorer is not None:
         scorer.close()
+
+
+def rollout(run, engine: EngineLifecycle, scorer, stage: int) -> None:
+    """D_k: the stage's prompts generated and scored, with DAPO's overlong shaping and dynamic sampling if on."""
+    cfg, algo = run.cfg, run.cfg.algo
+    overlong = OverlongShaping(cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor) \
+        if algo.overlong_buffer is not None else None
+    kwargs = dict(sampling=sampling(run, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
+                  tokenizer=run.tokenizer, stage=stage, policy_version=run.policy.version,
+                  groups_per_shard=cfg.rollout.groups_per_shard, shards_per_call=cfg.rollout.shards_per_call,
+                  model_path=str(engine.hf_dir or ""), overlong=overlong)
+    out = run.run_dir.stage_rollouts(stage)
+    if algo.dynamic_sampling:
+        run_dynamic_rollout(engine.engine, lambda r: run.prompts.for_sampling_round(stage, r), out,
+                            max_rounds=algo.max_sampling_rounds, **kwargs)
+    else:
+        run_rollout_phase(engine.engine, run.prompts.for_stage(stage), out, **kwargs)
 
 
 def sampling(run, stage: int):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megamu.algo.dapo import OverlongShaping
 from megamu.atomic import atomic_write
 from megamu.data.prompts import PromptRecord
 from megamu.engines.types import Engine, GenerateRequest, SamplingParams, derive_seed
@@ -64,8 +65,9 @@ def stage_requests(prompts: list[PromptRecord], sampling: SamplingParams, n_samp
 
 
 def score_groups(engine: Engine, prompts: list[PromptRecord], out: list, n_samples: int, scorer, tokenizer, *,
-                 stage: int, policy_version: int) -> list[list[RolloutSample]]:
-    """Check the engine's samples for ``prompts``, score them and compute group advantages (Eq. 1)."""
+                 stage: int, policy_version: int, overlong: OverlongShaping | None = None) -> list[list[RolloutSample]]:
+    """Check the engine's samples for ``prompts``, score them and compute group advantages (Eq. 1); ``overlong``:
+    DAPO's soft overlong punishment added to each reward before the advantages (the reward trained on)."""
     from megamu.algo import group_advantages
 
     expected = [(p.prompt_id, j) for p in prompts for j in range(n_samples)]
@@ -82,6 +84,8 @@ def score_groups(engine: Engine, prompts: list[PromptRecord], out: list, n_sampl
                      finish_reason=s.finish_reason, prompt_ids=list(prompts[i // n_samples].prompt_ids),
                      response_ids=list(s.output_ids)) for i, s in enumerate(out)]
     rewards = _score(scorer, texts, [p.answer for p in prompts for _ in range(n_samples)], metas, n_samples)
+    if overlong is not None:
+        rewards = [r + p for r, p in zip(rewards, overlong.penalties([len(s.output_ids) for s in out]))]
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32).view(len(prompts), n_samples)).flatten().tolist()
     samples = [
         RolloutSample(
@@ -207,6 +211,7 @@ def run_rollout_phase(
     shards_per_call: int = 1,
     model_path: str = "",
     max_in_flight: int | None = None,
+    overlong: OverlongShaping | None = None,
 ) -> StageManifest:
     """Generate, score and write a whole stage, resuming at the first missing shard; returns the manifest.
 
@@ -230,7 +235,7 @@ def run_rollout_phase(
     prompts_sha256 = hashlib.sha256(json.dumps([p.prompt_ids for p in prompts]).encode()).hexdigest()
     _check_plan(out, dict(stage=stage, n_samples=n_samples, groups_per_shard=groups_per_shard,
                           sampling=asdict(sampling), prompt_ids=[p.prompt_id for p in prompts],
-                          prompts_sha256=prompts_sha256))
+                          prompts_sha256=prompts_sha256, **({"overlong": asdict(overlong)} if overlong else {})))
     chunks = [prompts[i : i + groups_per_shard] for i in range(0, len(prompts), groups_per_shard)]
     done = [(out / shard_name(k)).exists() for k in range(len(chunks))]
     todo = sum(len(c) for c, d in zip(chunks, done) if not d) * n_samples
@@ -254,7 +259,7 @@ def run_rollout_phase(
     errors0, timeouts0 = getattr(scorer, "num_errors", 0), getattr(scorer, "num_timeouts", 0)
     for k, generated in stream:
         shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
-                             policy_version=policy_version)
+                             policy_version=policy_version, overlong=overlong)
         now = time.monotonic()
         # the shards' times add up to the phase's
         write_shard(out, k, shard, t_generate_s=now - t_last, deterministic=mode)
@@ -275,8 +280,8 @@ def run_rollout_phase(
                         reward=f"{reward_sum / max(n_done, 1):.3f}", reward_errors=failed["reward_errors"],
                         reward_timeouts=failed["reward_timeouts"])
     bar.close()
-    manifest = _finish(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path,
-                       reward_failures(scorer, errors0, timeouts0))
+    manifest = finish_stage(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path,
+                       reward_failures(scorer, errors0, timeouts0), overlong)
     servers = manifest.extra.get("servers") or []
     if servers:
         print(f"[rollout] stage {stage}: per server (requests, samples/s, restarts): " + ", ".join(
@@ -298,8 +303,9 @@ def reward_failures(scorer, errors0: int, timeouts0: int) -> dict[str, int]:
             "reward_timeouts": getattr(scorer, "num_timeouts", 0) - timeouts0}
 
 
-def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_version: int, sampling: SamplingParams,
-            engine, model_path: str, failures: dict[str, int]) -> StageManifest:
+def finish_stage(out: Path, num_shards: int, group_size: int, stage: int, policy_version: int,
+                 sampling: SamplingParams, engine, model_path: str, failures: dict,
+                 overlong: OverlongShaping | None = None) -> StageManifest:
     """Checksum every shard, compute the statistics from what is on disk, and write the manifest last."""
     import pyarrow.parquet as pq
 
@@ -316,7 +322,10 @@ def _finish(out: Path, num_shards: int, group_size: int, stage: int, policy_vers
         sampling=asdict(sampling), engine=engine.name, model_path=str(model_path),
         policy_version=policy_version, t_rollout_s=sum(i.t_generate_s for i in infos),
         deterministic=combined_mode([i.deterministic for i in infos]), **group_stats(rewards, finish, lengths),
-        extra={**failures, **({"servers": servers} if (servers := engine.server_stats()) else {})},
+        extra={**failures, **({"servers": servers} if (servers := engine.server_stats()) else {}),
+               # replies within the overlong buffer: their reward carries DAPO's length penalty
+               **({"overlong_fraction": sum(map(overlong.punished, lengths)) / max(len(lengths), 1)}
+                  if overlong else {})},
     )
     write_manifest(out, manifest)
     return manifest

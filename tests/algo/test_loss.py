@@ -119,10 +119,13 @@ def batches(draw, low=-50.0, high=50.0):
 @settings(max_examples=60, deadline=None)
 @given(batches(low=0.0, high=0.0), st.sampled_from(sorted(ALGORITHM_PRESETS)))
 def test_on_policy_gradient_is_reinforce(batch, preset):
-    # ρ ≡ 1: ∂loss/∂logπ_{i,t} = −A_i / (|B| T_i) for seq-mean-token-mean, the REINFORCE gradient with group advantages.
+    # ρ ≡ 1: ∂loss/∂logπ_{i,t} = −A_i / (|B| T_i) for seq-mean-token-mean, −A_i / Σ_i T_i for token-mean (DAPO's):
+    # the REINFORCE gradient with group advantages.
     _, adv, mask = batch
-    _, _, g = run(torch.zeros(mask.shape), adv, mask, algo=algo_preset(preset))
-    expected = -adv.view(-1, 1) / (mask.shape[0] * mask.sum(1, keepdim=True)) * mask
+    algo = algo_preset(preset)
+    _, _, g = run(torch.zeros(mask.shape), adv, mask, algo=algo)
+    per_token = mask.sum() if algo.aggregation == "token-mean" else mask.shape[0] * mask.sum(1, keepdim=True)
+    expected = -adv.view(-1, 1) / per_token * mask
     assert torch.allclose(g, expected, atol=1e-7)
 
 

@@ -50,3 +50,28 @@ def test_slime_group_rm_gets_the_runs_args_and_rendered_prompts(tiny, tmp_path):
                   env={"MEGAMU_CRASH_AFTER": "stage:0"}, check=False)
     stage, = records(save, "stage")
     assert stage["reward_mean"] == 1.0 and stage["reward_errors"] == 0, proc.stderr[-3000:]
+
+
+def test_dapo_trains_and_records_its_terms(tiny, tmp_path):
+    """--algorithm dapo on the tiny model: clip 0.2 / 0.28, token-mean, dynamic sampling and overlong shaping (a
+    4-token buffer under the 12-token limit); the stage records say how the dataset was sampled."""
+    from megamu.rollout.dataset import StageDataset
+
+    save = tmp_path / "dapo"
+    launch([*flags(tiny, save), "--algorithm", "dapo", "--overlong-buffer-len", "4", "--max-sampling-rounds", "3"])
+    stages, updates = records(save, "stage"), records(save, "update")
+    assert len(stages) == STAGES and len(updates) == MU * STAGES
+    for stage_record in stages:
+        rounds, generated = stage_record["dynamic_sampling_rounds"], stage_record["dynamic_sampling_generated_groups"]
+        assert 1 <= rounds <= 3 and generated == 8 * rounds  # 8 prompts per stage and round
+        ds = StageDataset(save / "rollouts" / f"stage_{stage_record['stage']}")
+        informative = sum(len({s.reward for s in g}) > 1 for g in ds.groups())
+        assert informative == 8 - stage_record["dynamic_sampling_filled_groups"]
+        assert 0 <= stage_record["overlong_fraction"] <= 1
+    # the update is the clipped surrogate alone (no KL, no entropy term), logged with its parts
+    assert all(r["loss"] == r["pg_loss"] and "kl_loss" not in r for r in updates)
+
+
+def test_dapo_settings_that_cannot_work_are_refused_naming_the_flag(tiny, tmp_path):
+    proc = launch([*flags(tiny, tmp_path / "x"), "--algorithm", "dapo"], check=False)  # 4096-token buffer, limit 12
+    assert proc.returncode != 0 and "--overlong-buffer-len: 4096 tokens" in proc.stderr

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megamu.algo import ALGORITHM_PRESETS
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle import base as lifecycle_base
 from megamu.engines.local import LocalEngine
@@ -57,6 +58,7 @@ class FakeRun:
         tok = build_char_tokenizer()
         self.cfg = SimpleNamespace(
             engine=EngineConfig(), evaluation=EvalConfig(), seed=0, recompute_behaviour_logprobs=False,
+            algo=ALGORITHM_PRESETS["mu-grpo"],  # the rollout reads its DAPO settings (off)
             log_interval=1, save_interval=0,
             rollout=RolloutConfig(n_samples=2, max_new_tokens=4, groups_per_shard=2,
                                   reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1)))

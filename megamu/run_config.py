@@ -107,6 +107,8 @@ class RunConfig:
             # staged and colocated engines take turns with the trainer for the device; async ones have their own
             set_("policy", build_at("policy", replace, self.policy, offload_train=not plan.is_async))
         engine = self.engine
+        if engine.kind is None:
+            engine = build_at("engine", replace, engine, kind=device.rollout_engine)
         sglang = engine.sglang
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
             sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", device.backend)

@@ -70,3 +70,17 @@ def math_score(response: str, ground_truth: str) -> float:
         return 1.0 if verify_answer(pred, ground_truth) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never take the run down; unparseable means wrong
         return 0.0
+
+
+def deepscaler_score(response: str, ground_truth: str) -> float:
+    """slime's ``--rm-type deepscaler`` (THUDM/slime slime/rollout/rm_hub/deepscaler.py,
+    ``get_deepscaler_rule_based_reward``): only the text after the last ``</think>`` (else after the first
+    ``###Response``) is graded, and a reply with neither scores 0. The grading is ``math_score``'s (the last
+    \\boxed{} vs the answer, math-verify) where slime's uses its mathd / sympy checks."""
+    if "</think>" in response:
+        solution = response.split("</think>")[-1]
+    elif "###Response" in response:
+        solution = response.split("###Response")[1]
+    else:
+        return 0.0
+    return math_score(solution, str(ground_truth))

@@ -10,8 +10,7 @@ import os
 from megamu.arguments.engine import _error
 from megamu.device import Device
 
-# verl's actor.loss_agg_mode default (verl/trainer/config/actor/actor.yaml) and slime's (--calculate-per-token-loss off:
-# per-sample means, then the mean) against megamu's
+# verl's actor.loss_agg_mode default (volcengine/verl verl/trainer/config/actor/actor.yaml:82, b178a3c)
 VERL_LOSS_AGGREGATION = "token-mean"
 
 

@@ -39,7 +39,10 @@ from megamu.arguments.slime import (
 )
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
+from megamu.engines import SGLangConfig
+from megamu.errors import ConfigError
 from megamu.loop_config import AsyncConfig
+from megamu.memory_fixes import fixes
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
 from megamu.policy import CheckpointConfig, PolicyConfig
@@ -229,8 +232,17 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
 
 
 def check_memory(plan) -> None:
-    """A MemoryPlan that overflows the device is an error naming the flag to change and the line that overflows."""
-    _config(plan.check, at="memory")
+    """A MemoryPlan that overflows the device is an error naming the line that overflows and each flag whose change
+    alone makes it fit (megamu.memory_fixes), else the device size."""
+    try:
+        plan.check()
+    except ConfigError as e:
+        if e.field != "gpu_memory_gib":
+            _config(plan.check, at="memory")
+        remedies = [f"{flag_of('memory.' + field)}{'' if value is True else f' {value}'}"
+                    for field, value in fixes(plan.config)]
+        tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
+        _error(flag_of("memory." + e.field), e.message + "." + tail)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -278,8 +290,11 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         evaluation=evaluation_config(args), tracker=tracker_config(args))
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
-                     world=world_size(args), gpu_memory_gib=args.gpu_memory_gib, for_gpu=for_gpu)
+                     world=world_size(args), gpu_memory_gib=args.gpu_memory_gib, for_gpu=for_gpu,
+                     # the servers as a GPU run places them (a CPU dry run's were placed for CPU: no memory saver)
+                     memory_saver=SGLangConfig(memory_saver=args.sglang_memory_saver).placed(
+                         args.rollout_mode == "colocated", "nccl").memory_saver)
     if os.environ.get("RANK", "0") == "0":
-        for line in notes + announcements(run):
+        for line in notes + announcements(run, args.interval_unit):
             print(f"note: {line}", flush=True)
     return replace(run, memory=memory)

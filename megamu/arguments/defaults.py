@@ -54,8 +54,9 @@ def resolve_defaults(args: argparse.Namespace, device: Device, for_gpu: bool) ->
     return notes
 
 
-def announcements(run) -> list[str]:
-    """Defaults of the run a verl or slime user would not assume, said at start (docs/coming-from-slime-verl.md)."""
+def announcements(run, interval_unit: str | None = None) -> list[str]:
+    """Defaults of the run a verl or slime user would not assume, said at start (docs/coming-from-slime-verl.md);
+    ``interval_unit``: --interval-unit, when the launch said what its intervals count."""
     algo, lines = run.algo, []
     if algo.aggregation != VERL_LOSS_AGGREGATION:
         lines.append(f"loss aggregation: {algo.aggregation} (each reply's token mean, then the mean over replies); "
@@ -64,7 +65,8 @@ def announcements(run) -> list[str]:
     if (algo.clip_low, algo.clip_high) != (0.2, 0.2):
         lines.append(f"ratio clip: [{1 - algo.clip_low:g}, {high}] ({run.algo.name}); slime's and verl's default is "
                      "[0.8, 1.2] (--clip-low/--eps-clip, --clip-high/--eps-clip-high)")
-    if (run.save_interval or run.evaluation.eval_interval) and not run.plan.is_async and run.plan.mu > 1:
+    if (run.save_interval or run.evaluation.eval_interval) and not run.plan.is_async and run.plan.mu > 1 \
+            and interval_unit is None:
         lines.append(f"intervals (--save-interval, --eval-interval) count optimiser updates, every {run.save_interval} "
                      f"and {run.evaluation.eval_interval} here; slime and verl count rollouts (1 rollout = μ = "
                      f"{run.plan.mu} updates): --interval-unit rollouts for theirs")

@@ -40,7 +40,8 @@ FLAG_OF_PATH = {
     "prompts.eval_sets": "--eval-prompt-data",
     "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
     "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
-    "memory.server_tp": "--sglang-tp-size",
+    "memory.server_tp": "--sglang-tp-size", "memory.release_during_training": "--sglang-memory-saver",
+    "memory.max_tokens_per_micro_batch": "--max-tokens-per-micro-batch",
 }
 
 

@@ -186,3 +186,25 @@ def test_on_gpus_the_engine_is_sglang_and_its_servers_fill_the_node(tmp_path, mo
     assert parse_args(base, device=Device("cpu")).engine.kind == "local"  # no SGLang on a CPU machine
     with pytest.raises(SystemExit, match="--rollout-engine: SGLang settings are only used with the sglang engine"):
         parse_args([*base, "--sglang-tp-size", "2"], device=Device("cpu"))
+
+
+def test_a_hub_id_is_read_from_the_local_hf_cache_only(tmp_path, monkeypatch, capsys):
+    """huggingface_hub's cache layout (models--ORG--NAME/refs/main -> snapshots/<commit>/), written by hand: the id
+    resolves to the snapshot folder; an id not there is an error saying how to fetch it (megamu never downloads)."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen3-4B" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((HF / "Qwen3-4B" / "config.json").read_text())
+    (cache / "models--Qwen--Qwen3-4B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    cfg = parse_args(["--save", str(tmp_path / "run"), "--hf-checkpoint", "Qwen/Qwen3-4B", "--num-stages", "2",
+                      "--dry-run", *QWEN3_4B])  # the model flags checked against the cached config
+    assert cfg.policy.hf_checkpoint == str(snapshot)
+    with pytest.raises(SystemExit, match="--hf-checkpoint: Qwen/Qwen3-8B is neither a folder here nor in the local "
+                                         "HF cache .*huggingface-cli download Qwen/Qwen3-8B"):
+        parse_args(["--save", str(tmp_path / "run"), "--hf-checkpoint", "Qwen/Qwen3-8B", "--num-stages", "2"])

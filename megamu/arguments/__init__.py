@@ -29,7 +29,7 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
-from megamu.arguments.model_args import add_model_arguments, check_model_arguments
+from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
 from megamu.arguments.slime import (
     add_slime_arguments,
     check_expert_tensor_parallel,
@@ -252,6 +252,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     for_gpu = device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine"
     notes = translate_slime_arguments(args)  # before any check: the checks read megamu's flags
     notes += resolve_defaults(args, device, for_gpu)
+    resolve_hf_checkpoint(args)
     check_inputs(args, device)
     config = hf_config(args)
     check_model_arguments(args, config)

@@ -17,6 +17,7 @@ defaults: NVIDIA/Megatron-LM ``megatron/training/arguments.py`` (network-size gr
 from __future__ import annotations
 
 import argparse
+import os
 import types
 from dataclasses import dataclass
 
@@ -161,3 +162,24 @@ def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> N
     if args.seq_length is not None and args.seq_length > arch.max_position_embeddings:
         _error("--seq-length", f"{args.seq_length} exceeds {where}: max_position_embeddings="
                                f"{arch.max_position_embeddings}")
+
+
+def resolve_hf_checkpoint(args: argparse.Namespace) -> None:
+    """--hf-checkpoint as a hub id (``org/name``, not a folder here): the snapshot in the local HF cache
+    (``huggingface_hub.snapshot_download(local_files_only=True)``: HF_HUB_CACHE / HF_HOME honoured). megamu never
+    downloads: a hub id absent from the cache is an error saying how to fetch it (a warning in a dry run)."""
+    name = args.hf_checkpoint
+    if not name or os.path.exists(name) or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        args.hf_checkpoint = snapshot_download(name, local_files_only=True)
+        print(f"note: --hf-checkpoint {name} -> {args.hf_checkpoint} (the local HF cache)", flush=True)
+    except LocalEntryNotFoundError:
+        message = (f"{name} is neither a folder here nor in the local HF cache (megamu does not download): fetch it "
+                   f"first, e.g. `huggingface-cli download {name}`, or give the model's folder")
+        if not args.dry_run:
+            _error("--hf-checkpoint", message)
+        print(f"warning: --hf-checkpoint: {message} (ignored by --dry-run)", flush=True)

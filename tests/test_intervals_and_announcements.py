@@ -60,3 +60,28 @@ def test_defaults_a_verl_user_would_not_assume_are_announced(tmp_path, capsys):
     assert "count optimiser updates, every 4" in out and "--interval-unit rollouts" in out
     cfg(tmp_path, "--num-stages", "2", "--algorithm", "grpo", "--loss-aggregation", "token-mean")
     assert "note: loss aggregation" not in capsys.readouterr().out  # verl's own settings: nothing to announce
+
+
+def test_evaluation_replies_get_eval_max_response_len(monkeypatch, tmp_path):
+    """slime's --eval-max-response-len: evaluation replies may be longer than rollout's (16384 vs 8192 in
+    run-qwen3-4B.sh); without it they get the rollout's length."""
+    from megamu.engines.types import SamplingParams
+    from megamu.loop import heldout
+    from megamu.loop_config import EvalConfig
+    from megamu.metrics import MetricsLogger
+
+    asked = []
+
+    def groups(engine, prompts, sampling, k, *rest, **kw):  # what the engine was asked for, then one scored reply
+        asked.append((sampling.max_new_tokens, k))
+        return [[type("S", (), {"reward": 1.0})()] * k for _ in prompts]
+
+    monkeypatch.setattr(heldout, "generate_groups", groups)
+    metrics = MetricsLogger(str(tmp_path), None, enabled=False)
+    rollout = SamplingParams(max_new_tokens=8192)
+    for cfg, want in ((EvalConfig(eval_max_response_len=16384, n_samples_per_eval_prompt=2), 16384),
+                      (EvalConfig(n_samples_per_eval_prompt=2), 8192)):
+        asked.clear()
+        heldout.evaluate_sets(None, {"aime": [object()]}, rollout, cfg, None, None, metrics, stage=0, update=0,
+                              label="start")
+        assert asked == [(want, 1), (want, 2)]  # greedy, then k sampled

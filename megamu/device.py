@@ -43,6 +43,11 @@ class Device:
         """Default layer implementation: Transformer Engine kernels on GPU, megatron's local spec on CPU."""
         return "transformer_engine" if self.is_cuda else "local"
 
+    @property
+    def rollout_engine(self) -> str:
+        """Default rollout engine: SGLang servers on GPU, the in-process one on CPU (no SGLang to install there)."""
+        return "sglang" if self.is_cuda else "local"
+
     def bind(self, local_rank: int) -> None:
         """Pin this process to its GPU (before any CUDA allocation); nothing on CPU."""
         if self.is_cuda:

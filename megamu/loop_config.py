@@ -47,11 +47,15 @@ class EvalConfig:
     n_samples_per_eval_prompt: int = flag("--n-samples-per-eval-prompt", default=0, type=int, help=(
         "k sampled replies per problem: sampled pass@1 (mean over k, the paper's avg@k) and pass@k beside greedy "
         "accuracy (0: greedy only)"))
+    eval_max_response_len: int | None = flag("--eval-max-response-len", default=None, type=int, help=(
+        "tokens an evaluation reply may take (slime's name; default: --rollout-max-response-len)"))
     eval_temperature: float = flag("--eval-temperature", default=1.0, type=float)
     eval_top_p: float = flag("--eval-top-p", default=1.0, type=float)
 
     def __post_init__(self):
         check_non_negative(self, "eval_interval", "n_samples_per_eval_prompt")
+        if self.eval_max_response_len is not None and self.eval_max_response_len < 1:
+            raise ConfigError("eval_max_response_len", f"must be >= 1, got {self.eval_max_response_len}")
         if self.eval_temperature <= 0:
             raise ConfigError("eval_temperature", f"must be > 0 for sampled evaluation, got {self.eval_temperature}")
         if not 0 < self.eval_top_p <= 1:

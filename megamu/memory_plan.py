@@ -58,14 +58,17 @@ class MemoryPlanConfig:
     """Everything the plan reads. Field names are the parts' own; megamu.arguments maps them to flags.
 
     ``micro_batch_size`` rows of ``max_seq_len`` tokens is the largest micro-batch the model reads, one sample per
-    row (prompt + response), causal. The local spec's shared-prompt rows (``megamu.training.batch``, share_prompts:
-    a group's responses after one prompt, under an explicit attention mask) are not modelled: torch SDPA with a mask
-    may materialise the s x s scores, which this count leaves out.
+    row (prompt + response), causal; with a token budget (``max_tokens_per_micro_batch``, the padded rows x longest
+    row ``megamu.training.batch.split_micro_batches`` caps) no micro-batch holds more than the budget, or one row.
+    The local spec's shared-prompt rows (``megamu.training.batch``, share_prompts: a group's responses after one
+    prompt, under an explicit attention mask) are not modelled: torch SDPA with a mask may materialise the s x s
+    scores, which this count leaves out.
     """
 
     model: ModelShape
     micro_batch_size: int
     max_seq_len: int  # the longest row: prompt + response
+    max_tokens_per_micro_batch: int | None = None  # padded tokens per micro-batch (None: micro_batch_size rows)
     max_response_len: int | None = None  # scored positions per row (train_step scores responses); None: max_seq_len
     params_dtype: str = "bf16"
     tp: int = 1
@@ -96,6 +99,8 @@ class MemoryPlanConfig:
             raise ConfigError("model", f"must be a ModelShape, got {type(self.model).__name__}")
         for name in ("micro_batch_size", "max_seq_len", "tp", "ep", "dp", "servers_per_gpu", "server_tp"):
             require_positive(name, getattr(self, name))
+        if self.max_tokens_per_micro_batch is not None:
+            require_positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         if self.max_response_len is not None:
             require_positive("max_response_len", self.max_response_len)
             if self.max_response_len > self.max_seq_len:
@@ -136,6 +141,21 @@ class MemoryPlanConfig:
     def scored_len(self) -> int:
         return self.max_seq_len if self.max_response_len is None else self.max_response_len
 
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Padded tokens of the largest micro-batch: r rows of at most L tokens with r <= micro_batch_size and, under
+        a budget B, r x L <= B (a row longer than B alone): at most min(micro_batch_size x max_seq_len,
+        max(B, max_seq_len))."""
+        rows = self.micro_batch_size * self.max_seq_len
+        if self.max_tokens_per_micro_batch is None:
+            return rows
+        return min(rows, max(self.max_tokens_per_micro_batch, self.max_seq_len))
+
+    @property
+    def scored_tokens(self) -> int:
+        """Scored (response) positions of the largest micro-batch: within its rows' responses and its tokens."""
+        return min(self.micro_batch_size * self.scored_len, self.micro_batch_tokens)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -163,9 +183,9 @@ def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     holds between the scaling and the weight: 2h more per token.
     """
     m, t = c.model, c.tp
-    b, s = c.micro_batch_size, c.max_seq_len
+    s = c.max_seq_len
     e = DTYPE_BYTES[c.params_dtype]
-    tokens = b * s
+    tokens = c.micro_batch_tokens
     h, q, kv = m.hidden_size, m.q_width, m.kv_width
     parts = {
         "norm inputs and outputs": 4 * h * e * tokens,
@@ -197,7 +217,7 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
     """All layers' saved activations plus the final norm and the output layer's input, at the longest micro-batch."""
     m = c.model
     e = DTYPE_BYTES[c.params_dtype]
-    tokens = c.micro_batch_size * c.max_seq_len
+    tokens = c.micro_batch_tokens
     layer = layer_activation_bytes(c)
     per_layer = sum(layer.values())
     if granularity is None:
@@ -212,7 +232,7 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
         body = m.num_layers * m.hidden_size * e * tokens + per_layer
     # final norm: its input (torch's RMSNorm also the scaled value); the output layer reads the scored positions only
     final_norm = (2 if c.transformer_impl == "local" else 1) * m.hidden_size * e * tokens
-    head_input = c.micro_batch_size * c.scored_len * m.hidden_size * e
+    head_input = c.scored_tokens * m.hidden_size * e
     return int(body + final_norm + head_input)
 
 
@@ -229,7 +249,7 @@ TEMPERATURE_COPY_BYTES = 4
 def _logits_bytes(c: MemoryPlanConfig) -> int:
     vocab_local = padded_vocab(c.model.vocab_size, c.tp) // c.tp
     per_logit = LOGIT_BYTES + (TEMPERATURE_COPY_BYTES if c.temperature != 1.0 else 0)
-    return per_logit * c.micro_batch_size * c.scored_len * vocab_local
+    return per_logit * c.scored_tokens * vocab_local
 
 
 class MemoryPlan:
@@ -255,7 +275,10 @@ class MemoryPlan:
         c = self.config
         layout = f"TP {c.tp} x DP {c.dp}" + (f", EP {c.ep} ({c.model.num_experts // c.ep} of {c.model.num_experts} "
                                              f"experts per GPU)" if c.model.num_experts else "")
-        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB; trainer {layout})"]
+        batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
+            f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
+            + f"{c.micro_batch_size} rows x {c.max_seq_len})")
+        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB; trainer {layout}; {batch})"]
         for phase in self.phases():
             lines.append(phase)
             for r in self._rows:

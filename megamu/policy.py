@@ -62,7 +62,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     hf_checkpoint: str | None = flag("--hf-checkpoint", flag_default=None,
-                                     help="initial policy as an HF folder (default: the demo model)")
+                                     help="initial policy: an HF folder, or a hub id found in the local HF cache "
+                                          "(default: the demo model)")
     device: Device
     optimizer: OptimizerConfig
     checkpoint: CheckpointConfig

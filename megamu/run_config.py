@@ -119,6 +119,8 @@ class RunConfig:
             # staged and colocated engines take turns with the trainer for the device; async ones have their own
             set_("policy", build_at("policy", replace, self.policy, offload_train=not plan.is_async))
         engine = self.engine
+        if engine.kind is None:
+            engine = build_at("engine", replace, engine, kind=device.rollout_engine)
         sglang = engine.sglang
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
             sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", device.backend)
@@ -157,9 +159,11 @@ class RunConfig:
 
 
 def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
-                   for_gpu: bool) -> MemoryPlanConfig | None:
+                   for_gpu: bool, memory_saver: bool | None = None) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
-    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note)."""
+    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). ``memory_saver``: whether
+    the GPU run's servers have SGLang's memory saver (a CPU dry run's engine was placed for CPU, which has none);
+    None: the run's own setting."""
     if model_config is None or not for_gpu:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
@@ -175,6 +179,7 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
     servers = sg.num_servers * sg.tp_size if engine.kind == "sglang" else 1
     return MemoryPlanConfig(
         model=model, micro_batch_size=policy.micro_batch_size,
+        max_tokens_per_micro_batch=policy.max_tokens_per_micro_batch,
         max_seq_len=prompts.max_prompt_length + plan.max_response_len, max_response_len=plan.max_response_len,
         params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, ep=ep, dp=max(1, world // tp),
         recompute_granularity=policy.recompute_granularity,
@@ -182,7 +187,8 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,
         mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
-        release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib,
+        release_during_training=engine.kind == "sglang" and plan.rollout_mode == "colocated" and bool(
+            sg.memory_saver if memory_saver is None else memory_saver), gpu_memory_gib=gpu_memory_gib,
         temperature=policy.temperature, reference_model=run.algo.uses_reference,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
         else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size)

@@ -33,7 +33,8 @@ CASES = [(mode, engine, device) for mode in ("staged", "colocated", "async") for
 
 def flags(save: Path, mode: str, engine: str, *extra: str) -> list[str]:
     return ["--save", str(save), "--rollout-mode", mode, *(ASYNC if mode == "async" else STAGED),
-            *(["--rollout-engine", "sglang", "--sglang-url", URL] if engine == "sglang" else []), *extra]
+            *(["--rollout-engine", "sglang", "--sglang-url", URL] if engine == "sglang" else
+              ["--rollout-engine", "local"]), *extra]
 
 
 def in_code(save: Path, mode: str, engine: str, device: str, *, policy: dict | None = None,
@@ -170,7 +171,7 @@ def test_engine_flags_read_back_as_the_config_built_in_code():
         return engine_flags(build_parser().parse_args(["--rollout-engine", "sglang", *extra]))
 
     assert engine("--sglang-url", URL) == EngineConfig(kind="sglang", sglang=SGLangConfig(urls=[URL]))
-    assert engine_flags(build_parser().parse_args([])) == EngineConfig()
+    assert engine_flags(build_parser().parse_args([])) == EngineConfig(kind=None)  # the run's device decides
     given = engine("--sglang-url", f"{URL},http://b:1", "--sglang-server-args", "--mem-fraction-static 0.8",
                    "--sglang-env", "A=1 B='x y'", "--sglang-host", "0.0.0.0", "--rollout-probe-period", "2",
                    "--rollout-probe-misses", "5", "--sglang-num-servers", "2", "--rollout-deterministic",

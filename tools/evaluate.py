@@ -7,7 +7,9 @@
     python tools/evaluate.py --hf-dir MODEL --reward code --data humaneval=humaneval.jsonl
 
 Defaults follow the paper: 16 samples for AIME24/25, 4 for AMC23 and MATH-500 (``--samples name=k`` overrides);
-prompts go through the training template (``load_prompts``), generation uses the training temperature and length.
+prompts go through the training template (``load_prompts``). With ``--run``, prompts are built as that run built
+them (its ``data/prompt_settings.json``: prompt and answer keys, instruction, chat template, prompt length) and
+replies get its length; flags given here win.
 Writes ``<out>/<checkpoint>.json|.md`` and ``<out>/summary.json|.md`` (the best average over checkpoints).
 """
 
@@ -22,8 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
 from megamu.arguments import add_engine_arguments, add_reward_arguments, answer_key, engine_config, reward_config  # noqa: E402
+from megamu.data.prompts import DEFAULT_INSTRUCTION  # noqa: E402
+from megamu.data.stage_prompts import PROMPT_SETTINGS  # noqa: E402
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
 from megamu.reward.config import RewardConfig  # noqa: E402
+from megamu.run_dir import RunDir  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,20 +43,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark (quick runs)")
     p.add_argument("--out", default=None, help="report folder (default RUN/eval, or eval/<name of --hf-dir>)")
     g = p.add_argument_group("generation (use the training values)")
-    g.add_argument("--max-response-len", type=int, default=4096, help="= --rollout-max-response-len of training")
+    # None: the --run's setting, else RUN_DEFAULTS'
+    g.add_argument("--max-response-len", type=int, default=None, help="= --rollout-max-response-len of training")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-prompt-length", type=int, default=1024)
-    g.add_argument("--skip-bad-rows", action="store_true",
+    g.add_argument("--max-prompt-length", type=int, default=None)
+    g.add_argument("--skip-bad-rows", action="store_true", default=None,
                    help="drop problems whose prompt is over --max-prompt-length instead of failing")
-    g.add_argument("--prompt-key", default="problem")
+    g.add_argument("--prompt-key", default=None)
     g.add_argument("--answer-key", default=None, help="default: 'answer', or 'tests' with --reward code")
+    g.add_argument("--instruction", default=None, help="text appended to each text problem (default: the run's, "
+                                                       "else the paper's step-by-step \\boxed{} instruction)")
+    g.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   dest="chat_template", help="default: the run's, else when the tokenizer has one")
     add_reward_arguments(p)  # the trainer's reward flags, same spelling
     add_engine_arguments(p)  # the trainer's engine flags, same spelling
     p.add_argument("--save-responses", action="store_true", help="also write <out>/<checkpoint>.responses.jsonl")
     p.add_argument("--overwrite", action="store_true", help="re-evaluate checkpoints that already have a report")
     args = p.parse_args(argv)
+    run_prompt_settings(args)
     for flag, value in (("--limit", args.limit), ("--max-response-len", args.max_response_len)):
         if value is not None and value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
@@ -64,6 +75,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         p.error(str(err))
     return args
+
+
+# the settings without a --run (or that a run's file does not hold)
+RUN_DEFAULTS = {"max_response_len": 4096, "max_prompt_length": 1024, "skip_bad_rows": False, "prompt_key": "problem",
+                "answer_key": None, "instruction": DEFAULT_INSTRUCTION, "few_shot": (), "chat_template": None}
+
+
+def run_prompt_settings(args: argparse.Namespace) -> None:
+    """Fill the prompt and length settings not given here from the run's saved ones (``--run``), else the defaults."""
+    saved = {}
+    if args.run:
+        path = RunDir(Path(args.run)).data / PROMPT_SETTINGS
+        if path.is_file():
+            saved = json.loads(path.read_text())
+        else:
+            print(f"note: {path} is missing (a run from before it was written): prompts are built from this "
+                  "command's flags", flush=True)
+    args.few_shot = None
+    for key, default in RUN_DEFAULTS.items():
+        if getattr(args, key) is None:
+            value = saved.get(key) or default if key == "max_response_len" else saved.get(key, default)
+            setattr(args, key, tuple(tuple(p) for p in value) if key == "few_shot" else value)
 
 
 def checkpoint_dtype(hf_dir: Path) -> str:
@@ -110,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
         max_response_len=args.max_response_len, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
         limit=args.limit, max_prompt_length=args.max_prompt_length,
         skip_bad_rows=args.skip_bad_rows, prompt_key=args.prompt_key,
-        answer_key=args.answer_key, reward_fn=reward_description(args.reward_config),
+        answer_key=args.answer_key, reward_fn=reward_description(args.reward_config), instruction=args.instruction,
+        few_shot=args.few_shot, chat_template=args.chat_template,
     )
     # the training's reward pool: --reward-timeout, --reward-error-tolerance, --reward-workers ... as in training
     with make_scorer(args.reward_config) as scorer:

@@ -213,7 +213,8 @@ def stage_flags(hf: Path, save: Path, cuda: bool) -> list[str]:
     return ["--hf-checkpoint", str(hf), "--save", str(save), "--num-stages", "1", "--prompts-per-stage", "4",
             "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
             "--eval-prompts", "0", "--micro-batch-size", "4", "--reward-fn", "megamu.reward.toy:has_digit",
-            "--no-skip-zero-advantage", "--seed", "7", *(["--bf16", "--transformer-impl", "local"] if cuda else [])]
+            "--no-skip-zero-advantage", "--seed", "7", "--rollout-engine", "local",
+            *(["--bf16", "--transformer-impl", "local"] if cuda else [])]
 
 
 def check_stage(cuda, root: Path) -> Row:

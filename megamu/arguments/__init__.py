@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig, algo_preset
+from megamu.arguments.defaults import announcements, resolve_defaults, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
     _config,
@@ -28,9 +29,20 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
+from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
+from megamu.arguments.slime import (
+    add_slime_arguments,
+    check_expert_tensor_parallel,
+    convert_intervals,
+    dynamic_micro_batch,
+    translate_slime_arguments,
+)
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
+from megamu.engines import SGLangConfig
+from megamu.errors import ConfigError
 from megamu.loop_config import AsyncConfig
+from megamu.memory_fixes import fixes
 from megamu.memory_plan import MemoryPlanConfig
 from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
 from megamu.policy import CheckpointConfig, PolicyConfig
@@ -110,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
+    add_model_arguments(p)
+    add_slime_arguments(p)
+    # resolved in parse_args: slime's --colocate may set the mode; the server count follows the node's GPUs
+    p.set_defaults(rollout_mode=None, sglang_num_servers=None)
     return p
 
 
@@ -205,7 +221,7 @@ def check_device(args: argparse.Namespace, device: Device) -> None:
 
 def check_inputs(args: argparse.Namespace, device: Device) -> None:
     """What no single config can see: the launcher's world size, the reward flags, the input paths and the device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size(args)
     if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
     model_parallel = args.tensor_model_parallel_size * args.expert_model_parallel_size
@@ -217,18 +233,35 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
 
 
 def check_memory(plan) -> None:
-    """A MemoryPlan that overflows the device is an error naming the flag to change and the line that overflows."""
-    _config(plan.check, at="memory")
+    """A MemoryPlan that overflows the device is an error naming the line that overflows and each flag whose change
+    alone makes it fit (megamu.memory_fixes), else the device size."""
+    try:
+        plan.check()
+    except ConfigError as e:
+        if e.field != "gpu_memory_gib":
+            _config(plan.check, at="memory")
+        remedies = [f"{flag_of('memory.' + field)}{'' if value is True else f' {value}'}"
+                    for field, value in fixes(plan.config)]
+        tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
+        _error(flag_of("memory." + e.field), e.message + "." + tail)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
     """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
     args = build_parser().parse_args(argv)
     device = device or Device.detect()
+    for_gpu = device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine"
+    notes = translate_slime_arguments(args)  # before any check: the checks read megamu's flags
+    notes += resolve_defaults(args, device, for_gpu)
+    resolve_hf_checkpoint(args)
     check_inputs(args, device)
     config = hf_config(args)
+    check_model_arguments(args, config)
+    check_expert_tensor_parallel(args, config)
     plan = plan_of(args, args.algorithm)
     check_megatron_arguments(args, plan.prompts_per_update)
+    notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)
+    dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
     algo = _config(algo_preset(args.algorithm).with_overrides, at="algo",
                    **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
     optimizer = _config(OptimizerConfig, at="policy.optimizer", **{
@@ -259,6 +292,11 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         evaluation=evaluation_config(args), tracker=tracker_config(args))
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
-                     world=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory_gib=args.gpu_memory_gib,
-                     for_gpu=device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine")
+                     world=world_size(args), gpu_memory_gib=args.gpu_memory_gib, for_gpu=for_gpu,
+                     # the servers as a GPU run places them (a CPU dry run's were placed for CPU: no memory saver)
+                     memory_saver=SGLangConfig(memory_saver=args.sglang_memory_saver).placed(
+                         args.rollout_mode == "colocated", "nccl").memory_saver)
+    if os.environ.get("RANK", "0") == "0":
+        for line in notes + announcements(run, args.interval_unit):
+            print(f"note: {line}", flush=True)
     return replace(run, memory=memory)

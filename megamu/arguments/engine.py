@@ -41,7 +41,8 @@ FLAG_OF_PATH = {
     "prompts.eval_sets": "--eval-prompt-data",
     "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
     "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
-    "memory.server_tp": "--sglang-tp-size",
+    "memory.server_tp": "--sglang-tp-size", "memory.release_during_training": "--sglang-memory-saver",
+    "memory.max_tokens_per_micro_batch": "--max-tokens-per-micro-batch",
 }
 
 
@@ -127,9 +128,10 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
             _error("--sglang-env", f"expected NAME=VALUE items, got {item!r}")
         env.update([item.split("=", 1)])
     sglang = SGLangConfig()
-    if args.rollout_engine == "sglang":  # the flags given as strings, converted; the others as parsed
+    if args.rollout_engine != "local":  # sglang, or the device's choice: the flags given as strings, converted
         sglang = _config(SGLangConfig, at="engine.sglang", **{
-            **field_values(SGLangConfig, args), "urls": [u for u in (args.sglang_url or "").split(",") if u],
+            **field_values(SGLangConfig, args), "num_servers": args.sglang_num_servers or 1,
+            "urls": [u for u in (args.sglang_url or "").split(",") if u],
             "extra_server_args": shlex.split(args.sglang_server_args), "server_env": env})
     return _config(EngineConfig, at="engine", **field_values(EngineConfig, args), sglang=sglang)
 
@@ -137,6 +139,7 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
 def engine_config(args: argparse.Namespace, device: Device | None = None) -> EngineConfig:
     """The engine flags as an engine on its own (tools/evaluate.py) is configured: servers apart from any trainer
     (disk refreshes), computing in --rollout-dtype, else float32. A run's engine: ``RunConfig(...).engine``."""
+    args.rollout_engine = args.rollout_engine or "local"  # an engine on its own: the in-process one unless asked
     cfg = engine_flags(args)
     if cfg.kind == "sglang" and cfg.sglang.weight_sync == "memory":
         _error("--weight-sync", "memory pushes a trainer's weights into colocated servers; an engine on its own "

@@ -18,6 +18,8 @@ from megamu.errors import ConfigError, check_non_negative, check_positive
 HELD_OUT = "held-out"  # the evaluation set split off the training prompts (--eval-prompts)
 
 
+PROMPT_SETTINGS = "prompt_settings.json"  # under the run's data dir: how the run built its prompts
+
 @dataclass(frozen=True)
 class PromptsConfig:
     """``files`` empty: the demo's built-in task, ``builtin_rows`` seeded two-digit additions written to
@@ -61,6 +63,14 @@ class Prompts:
             files, instruction, few_shot = [str(self._write_builtin())], DEMO_INSTRUCTION, DEMO_FEW_SHOT
         if cfg.instruction is not None:
             instruction = cfg.instruction
+
+        if parallel.is_main_rank():  # what tools/evaluate.py --run builds its prompts with
+            settings = {"prompt_key": cfg.prompt_key, "answer_key": cfg.answer_key, "instruction": instruction,
+                        "few_shot": [list(pair) for pair in few_shot], "chat_template": cfg.chat_template,
+                        "max_prompt_length": cfg.max_prompt_length, "skip_bad_rows": cfg.skip_bad_rows,
+                        "max_response_len": cfg.max_response_len}
+            cfg.data_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cfg.data_dir / PROMPT_SETTINGS, json.dumps(settings, indent=1) + "\n")
 
         def load(paths: list[str]) -> list[PromptRecord]:  # training and evaluation prompts are built alike
             return load_prompts(paths, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,

@@ -25,7 +25,9 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 class EngineConfig:
     """Which engine generates, as the trainer and tools/evaluate.py both configure it."""
 
-    kind: str = flag("--rollout-engine", default="local", choices=ENGINE_KINDS)
+    # None (the trainer's flag unset): the run's device decides (RunConfig.derive: Device.rollout_engine)
+    kind: str | None = flag("--rollout-engine", default="local", flag_default=None, choices=ENGINE_KINDS, help=(
+        "default: sglang for a run on GPUs, local on CPU"))
     # None: a run's is its training precision (RunConfig fills it in); an engine on its own computes in float32.
     dtype: str | None = flag("--rollout-dtype", default=None, choices=ENGINE_DTYPES, help=(
         "the precision the engine computes in: the local engine's weights, SGLang servers' --dtype (default: "
@@ -36,12 +38,14 @@ class EngineConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # servers, launch and weight sync (kind "sglang")
 
     def __post_init__(self):
-        check_choice(self, "kind", ENGINE_KINDS)
+        if self.kind is not None:
+            check_choice(self, "kind", ENGINE_KINDS)
         if self.dtype is not None:
             check_choice(self, "dtype", ENGINE_DTYPES)
         check_positive(self, "max_batch_size")
         if self.kind == "local" and self.sglang != SGLangConfig():
-            raise ConfigError("sglang", "SGLang settings are only used with the sglang engine")
+            raise ConfigError("sglang", "SGLang settings are only used with the sglang engine (on CPU the default "
+                                        "engine is the local one)")
 
 
 def make_engine(kind: str, hf_dir, **kwargs) -> Engine:

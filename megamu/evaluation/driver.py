@@ -26,7 +26,8 @@ def _saved_report(path: Path, settings: EvalSettings, benchmarks: list[Benchmark
     except (json.JSONDecodeError, TypeError, KeyError):
         return None
     saved = [(b.name, b.path, b.k) for b in report.benchmarks.values()]
-    same = report.settings == asdict(settings) and saved == [(b.name, str(b.path), b.samples) for b in benchmarks]
+    as_saved = json.loads(json.dumps(asdict(settings)))  # tuples come back from JSON as lists
+    same = report.settings == as_saved and saved == [(b.name, str(b.path), b.samples) for b in benchmarks]
     return report if same else None
 
 

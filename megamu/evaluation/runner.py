@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megamu.data.prompts import DEFAULT_INSTRUCTION
 from megamu.engines.types import Engine, GeneratedSample, GenerateRequest, SamplingParams
 from megamu.evaluation.metrics import avg_at_k
 
@@ -39,6 +40,9 @@ class EvalSettings:
     skip_bad_rows: bool = False  # drop problems whose prompt is over max_prompt_length (n in the report shows it)
     prompt_key: str = "problem"
     answer_key: str = "answer"
+    instruction: str = DEFAULT_INSTRUCTION  # the training run's (its data/prompt_settings.json)
+    few_shot: tuple[tuple[str, str], ...] = ()
+    chat_template: bool | None = None
     reward_fn: str = "megamu.reward.math:math_score"
 
 
@@ -125,7 +129,9 @@ def evaluate_benchmark(engine: Engine, tokenizer, scorer, bench: Benchmark, sett
     from megamu.data.prompts import load_prompts
 
     records = load_prompts([bench.path], tokenizer, prompt_key=settings.prompt_key, answer_key=settings.answer_key,
-                           max_prompt_length=settings.max_prompt_length, skip_bad_rows=settings.skip_bad_rows)
+                           max_prompt_length=settings.max_prompt_length, skip_bad_rows=settings.skip_bad_rows,
+                           instruction=settings.instruction, few_shot=list(settings.few_shot),
+                           chat_template=settings.chat_template)
     if settings.limit is not None:
         records = records[: settings.limit]
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,

@@ -24,6 +24,8 @@ def evaluate_sets(engine: Engine, sets: dict[str, list[PromptRecord]], sampling:
                   scorer, tokenizer, metrics: MetricsLogger, *, stage: int, update: int, label: str) -> float:
     """Evaluate the engine's weights on every set; returns the seconds it took (the run's ETA counts them)."""
     t0 = time.perf_counter()
+    if cfg.eval_max_response_len is not None:
+        sampling = replace(sampling, max_new_tokens=cfg.eval_max_response_len)
     for name, prompts in sets.items():
         if not prompts:
             continue

@@ -93,3 +93,17 @@ def gsm8k_score(response: str, ground_truth: str) -> float:
     answer = gsm8k_answer(response)
     truth = gsm8k_answer(ground_truth) if "####" in ground_truth else ground_truth.strip().replace(",", "")
     return 1.0 if answer is not None and answer == truth else 0.0
+
+
+def deepscaler_score(response: str, ground_truth: str) -> float:
+    """slime's ``--rm-type deepscaler`` (THUDM/slime slime/rollout/rm_hub/deepscaler.py,
+    ``get_deepscaler_rule_based_reward``): only the text after the last ``</think>`` (else after the first
+    ``###Response``) is graded, and a reply with neither scores 0. The grading is ``math_score``'s (the last
+    \\boxed{} vs the answer, math-verify) where slime's uses its mathd / sympy checks."""
+    if "</think>" in response:
+        solution = response.split("</think>")[-1]
+    elif "###Response" in response:
+        solution = response.split("###Response")[1]
+    else:
+        return 0.0
+    return math_score(solution, str(ground_truth))

@@ -31,21 +31,31 @@ CHECKPOINT_VERSION = 3.0  # checkpointing.py:1572
 VOCAB_DIVISIBLE_BY = 128  # padded_vocab_size's default: Megatron-LM's --make-vocab-size-divisible-by
 
 
-def megatron_args(arch: ModelArch, iteration: int, optimizer_cfg, *, samples_per_update: int, world: int,
-                  hf_source_dir: str | None, bf16: bool) -> argparse.Namespace:
-    """The ``args`` namespace Megatron-LM pickles into common.pt, with the fields its load path reads."""
-    tp = parallel.tp_size()
-    cuda = parallel.device().is_cuda
-    return argparse.Namespace(
+def megatron_model_args(arch: ModelArch) -> dict:
+    """The model's shape as Megatron-LM's arguments spell it (``megatron/training/arguments.py``, the network-size
+    group, and megatron-core's ``TransformerConfig``): what a Megatron-LM launch of this model passes. The checkpoint's
+    ``args`` record it, and a launch script's model flags are checked against it (megamu.arguments.model)."""
+    return dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
         group_query_attention=arch.num_kv_heads != arch.num_heads, kv_channels=arch.head_dim,
         max_position_embeddings=arch.max_position_embeddings, add_position_embedding=False,  # RoPE
-        position_embedding_type="rope", rotary_base=arch.rope_theta, normalization="RMSNorm",
-        norm_epsilon=arch.norm_eps, swiglu=True, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        untie_embeddings_and_output_weights=not arch.tie_embeddings, num_experts=arch.num_experts or None,
-        moe_router_topk=arch.moe_top_k or None,
-        make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY,
+        position_embedding_type="rope", rotary_base=arch.rope_theta, rotary_percent=1.0, normalization="RMSNorm",
+        norm_epsilon=arch.norm_eps, swiglu=True, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm, untie_embeddings_and_output_weights=not arch.tie_embeddings,
+        vocab_size=arch.vocab_size, num_experts=arch.num_experts or None, moe_router_topk=arch.moe_top_k or None,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size or None, attention_dropout=0.0, hidden_dropout=0.0,
+        make_vocab_size_divisible_by=VOCAB_DIVISIBLE_BY)
+
+
+def megatron_args(arch: ModelArch, iteration: int, optimizer_cfg, *, samples_per_update: int, world: int,
+                  hf_source_dir: str | None, bf16: bool) -> argparse.Namespace:
+    """The ``args`` namespace Megatron-LM pickles into common.pt, with the fields its load path reads; the lr schedule
+    is the run's (``optimizer_cfg``: lr_decay_style, min_lr, lr_decay_iters)."""
+    tp = parallel.tp_size()
+    cuda = parallel.device().is_cuda
+    return argparse.Namespace(
+        **megatron_model_args(arch),
         padded_vocab_size=padded_vocab_size(arch.vocab_size, tp, VOCAB_DIVISIBLE_BY),
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf_source_dir,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
@@ -53,7 +63,8 @@ def megatron_args(arch: ModelArch, iteration: int, optimizer_cfg, *, samples_per
         data_parallel_size=parallel.dp_size(), world_size=world,
         iteration=iteration, consumed_train_samples=iteration * samples_per_update, skipped_train_samples=0,
         consumed_valid_samples=0, train_iters=None,
-        lr=optimizer_cfg.lr, min_lr=optimizer_cfg.lr, lr_decay_style="constant",
+        lr=optimizer_cfg.lr, min_lr=optimizer_cfg.min_lr, lr_decay_style=optimizer_cfg.lr_decay_style,
+        lr_decay_iters=optimizer_cfg.lr_decay_iters,
         lr_warmup_iters=optimizer_cfg.lr_warmup_iters, weight_decay=optimizer_cfg.weight_decay,
         adam_beta1=optimizer_cfg.adam_beta1, adam_beta2=optimizer_cfg.adam_beta2, adam_eps=optimizer_cfg.adam_eps,
         clip_grad=optimizer_cfg.clip_grad, optimizer="adam", use_distributed_optimizer=False,
@@ -65,14 +76,16 @@ def megatron_args(arch: ModelArch, iteration: int, optimizer_cfg, *, samples_per
 
 
 def opt_param_scheduler(optimizer_cfg, iteration: int, *, samples_per_update: int, total_updates: int | None) -> dict:
-    """megamu's LR schedule (linear warmup, then constant) as megatron-core's ``OptimizerParamScheduler.state_dict``
-    (optimizer_param_scheduler.py), counted in samples as Megatron-LM steps it (``increment`` = global batch)."""
+    """megamu's LR schedule (linear warmup, then ``lr_decay_style`` down to ``min_lr`` over ``lr_decay_iters``, by
+    default the run's length) as megatron-core's ``OptimizerParamScheduler.state_dict`` (optimizer_param_scheduler.py),
+    counted in samples as Megatron-LM steps it (``increment`` = global batch)."""
     total = (total_updates or iteration) * samples_per_update
+    decay = (optimizer_cfg.lr_decay_iters or total_updates or iteration) * samples_per_update
     return {
         "max_lr": optimizer_cfg.lr, "lr_warmup_steps": optimizer_cfg.lr_warmup_iters * samples_per_update,
-        "num_steps": iteration * samples_per_update, "lr_decay_style": "constant", "lr_decay_steps": total,
-        "min_lr": optimizer_cfg.lr, "start_wd": optimizer_cfg.weight_decay, "end_wd": optimizer_cfg.weight_decay,
-        "wd_incr_style": "constant", "wd_incr_steps": total,
+        "num_steps": iteration * samples_per_update, "lr_decay_style": optimizer_cfg.lr_decay_style,
+        "lr_decay_steps": decay, "min_lr": optimizer_cfg.min_lr, "start_wd": optimizer_cfg.weight_decay,
+        "end_wd": optimizer_cfg.weight_decay, "wd_incr_style": "constant", "wd_incr_steps": total,
     }
 
 

@@ -293,3 +293,38 @@ def test_engine_dtype_comes_from_the_checkpoint(tmp_path, monkeypatch):
     tool.engine_factory(tool.parse_args(base))(tmp_path / "fp32")
     tool.engine_factory(tool.parse_args(base + ["--rollout-dtype", "float32"]))(tmp_path / "bf16")
     assert [d for d, _ in built] == ["bfloat16", "float32", "float32"]
+
+
+def test_run_mode_builds_prompts_as_the_training_run_did(tmp_path):
+    """A run with its own instruction, prompt column and no chat template: tools/evaluate.py --run builds each
+    benchmark prompt token for token as the run's Prompts built its evaluation sets (they used to get the paper's
+    instruction and the 'problem' column whatever the run had)."""
+    from megamu.data.prompts import load_prompts
+    from megamu.data.stage_prompts import Prompts, PromptsConfig
+    from megamu.evaluation.runner import EvalSettings
+    from megamu.run_dir import RunDir
+    from tests.tiny import build_char_tokenizer
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import evaluate as evaluate_tool
+
+    rows = tmp_path / "q.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{a}+{a}=?", "answer": str(2 * a)}) + "\n" for a in range(6)))
+    run = tmp_path / "run"
+    tok = build_char_tokenizer()
+    cfg = PromptsConfig(files=(str(rows),), prompts_per_stage=2, held_out=0, seed=0, data_dir=RunDir(run).data,
+                        prompt_key="question", instruction=" Answer in one word.", chat_template=False,
+                        max_prompt_length=300, max_response_len=96, eval_sets=(("q", str(rows)),))
+    trained = Prompts(cfg, tok).eval_sets["q"]
+    args = evaluate_tool.parse_args(["--run", str(run), "--data", f"q={rows}"])
+    assert (args.prompt_key, args.instruction, args.chat_template, args.max_prompt_length, args.max_response_len) == (
+        "question", " Answer in one word.", False, 300, 96)
+    s = EvalSettings(prompt_key=args.prompt_key, answer_key=args.answer_key, instruction=args.instruction,
+                     few_shot=args.few_shot, chat_template=args.chat_template, max_prompt_length=args.max_prompt_length)
+    built = load_prompts([str(rows)], tok, prompt_key=s.prompt_key, answer_key=s.answer_key,
+                         max_prompt_length=s.max_prompt_length, instruction=s.instruction, few_shot=list(s.few_shot),
+                         chat_template=s.chat_template)
+    assert [r.prompt_ids for r in built] == [r.prompt_ids for r in trained]
+    assert " Answer in one word." in tok.decode(built[0].prompt_ids)
+    # a flag given here wins over the run's
+    assert evaluate_tool.parse_args(["--run", str(run), "--data", f"q={rows}", "--instruction", ""]).instruction == ""

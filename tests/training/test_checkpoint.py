@@ -323,6 +323,28 @@ def test_the_scheduler_state_gives_megatrons_scheduler_megamus_learning_rate():
         assert sched.get_wd() == pytest.approx(CFG.weight_decay)
 
 
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+def test_the_scheduler_state_records_a_decaying_schedule(style):
+    """A decaying run's schedule, not a constant one: megatron-core's scheduler loaded from the state gives, at
+    Megatron's step k (k updates done), megamu's lr of update k - 1 (lr_at counts one step later), warmup, decay and
+    the floor past lr_decay_iters included."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megamu.training.megatron_schema import opt_param_scheduler
+
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style=style, lr_decay_iters=20)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    for iteration in (1, 5, 12, 20, 25):
+        state = opt_param_scheduler(cfg, iteration, samples_per_update=16, total_updates=64)
+        assert (state["lr_decay_style"], state["min_lr"], state["lr_decay_steps"]) == (style, 1e-4, 20 * 16)
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=1,
+                                        lr_decay_steps=2, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=2, wd_incr_style="constant",
+                                        use_checkpoint_opt_param_scheduler=True)
+        sched.load_state_dict(state)
+        assert sched.get_lr(opt.param_groups[0]) == pytest.approx(cfg.lr_at(iteration - 1), rel=1e-12)
+
+
 def test_a_gpu_runs_rng_state_is_where_megatron_lm_looks_for_it(run, tmp_path, monkeypatch):
     """The ShardedObject a GPU run writes (its CUDA states left out: no GPU here), loaded back with the template
     Megatron-LM's get_rng_state builds for torch_dist (checkpointing.py:493-505: key "rng_state", shape (PP, TP), offset

@@ -97,6 +97,13 @@ class Device:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
+    def release_host_cache(self) -> None:
+        """Return the free pinned blocks torch's CachingHostAllocator keeps (power-of-two rounded, ATen/core/
+        CachingHostAllocator.h) to the OS: a checkpoint's pinned staging must not stay for the rest of the run. The
+        same call as ``torch.cuda.graphs`` makes (``torch._C._host_emptyCache``); CPU builds have no such cache."""
+        if self.is_cuda:
+            torch._C._host_emptyCache()
+
 
 CPU = Device("cpu")
 

@@ -48,6 +48,9 @@ class CheckpointConfig:
         "also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)"))
     keep_hf_exports: int | None = flag("--keep-hf-exports", default=None, type=int, help=(
         "--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)"))
+    save_optim: bool = flag("--save-optim", default=True, action="optional_bool", help=(
+        "checkpoints carry the optimiser state (Megatron's --no-save-optim: weights only, a resume restarts Adam; "
+        "the host-memory plan's fix when the save's host copy of the optimiser state does not fit)"))
 
     def __post_init__(self):
         check_non_negative(self, "save_interval", "keep", "hf_export_interval", "keep_hf_exports")
@@ -188,7 +191,7 @@ class Policy:
 
     def save(self, iteration: int, extra: dict) -> None:
         save_checkpoint(self.cfg.checkpoint.save, iteration, self.model, self.arch, self.optimizer, extra=extra,
-                        keep=self.cfg.checkpoint.keep)
+                        keep=self.cfg.checkpoint.keep, save_optim=self.cfg.checkpoint.save_optim)
 
     def export(self, out: Path) -> Path:
         """The weights as an HF folder ``out`` (atomic; a finished folder of the same name is reused)."""

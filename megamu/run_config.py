@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from megamu.algo import AlgoConfig
 from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
@@ -145,9 +147,11 @@ class RunConfig:
 
 
 def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
-                   for_gpu: bool) -> MemoryPlanConfig | None:
+                   for_gpu: bool, host_memory_gib: float | None = None, ranks_per_node: int = 1
+                   ) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
-    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note)."""
+    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). ``host_memory_gib`` None:
+    this machine's RAM (psutil), the node's when a rank checks it, the login machine's in a dry run."""
     if model_config is None or not for_gpu:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
@@ -173,4 +177,7 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib,
         temperature=policy.temperature,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
-        else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size)
+        else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size,
+        host_memory_gib=host_memory_gib if host_memory_gib is not None else psutil.virtual_memory().total / 2**30,
+        ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
+        reward_workers=run.rollout.reward.num_workers or max(1, min(4, os.cpu_count() or 1)))  # RewardScorer's

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     add_fields(g, CheckpointConfig, ["save", "load", "pretrained_checkpoint", "save_interval", "hf_export_interval",
-                                     "keep", "keep_hf_exports"])
+                                     "keep", "keep_hf_exports", "save_optim"])
     add_fields(g, PolicyConfig, ["export_dtype"])
     add_fields(g, RunConfig, ["tensorboard_dir", "log_interval"])
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib"])
+    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib", "host_memory_gib"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
@@ -259,5 +259,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
                      world=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory_gib=args.gpu_memory_gib,
+                     host_memory_gib=args.host_memory_gib,  # torchrun sets LOCAL_WORLD_SIZE; the dry run too
+                     ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))),
                      for_gpu=device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine")
     return replace(run, memory=memory)

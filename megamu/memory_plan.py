@@ -85,7 +85,9 @@ class MemoryPlanConfig:
     # once per server TP rank it goes to), "disk" reloads an export; None: no push phase (staged, async)
     weight_push: str | None = None
     push_bucket_mb: float = 512.0
-    push_bucket_copies: int = 1  # flattened copies of one bucket alive at once: servers on the node x server TP
+    # flattened copies of one bucket alive at once on a GPU: 1 when each rank pushes its own (rank_push.py); one
+    # process pushing to all servers (tensor_sync.send_tensors): servers on the node x server TP
+    push_bucket_copies: int = 1
     gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
         "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
     cuda_context_gib: float = CUDA_CONTEXT_GIB
@@ -400,7 +402,7 @@ def _push_rows(c: MemoryPlanConfig, ctx: int, trainer_state: list[tuple[str, int
     rows = [Row(phase, "CUDA context + NCCL (trainer)", ctx)]
     rows += [Row(phase, f"trainer {part}", b) for part, b in trainer_state]
     if gathered:
-        rows.append(Row(phase, f"full weights gathered for the push (rank 0, {c.params_dtype})", gathered))
+        rows.append(Row(phase, f"full weights gathered for the push (each pushing rank, {c.params_dtype})", gathered))
         rows.append(Row(phase, f"flattened push buckets ({c.push_bucket_copies} x {c.push_bucket_mb:g} MiB)",
                         int(c.push_bucket_copies * c.push_bucket_mb * 2**20)))
     for i in range(c.servers_per_gpu):

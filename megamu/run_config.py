@@ -177,7 +177,8 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         release_during_training=engine.kind == "sglang" and sg.memory_saver, gpu_memory_gib=gpu_memory_gib,
         temperature=policy.temperature,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
-        else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size,
+        else None, push_bucket_mb=sg.weight_bucket_mb,
+        push_bucket_copies=1 if world > 1 and not sg.urls else sg.num_servers * sg.tp_size,  # rank_push.py
         host_memory_gib=host_memory_gib if host_memory_gib is not None else psutil.virtual_memory().total / 2**30,
         ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
         reward_workers=run.rollout.reward.num_workers or max(1, min(4, os.cpu_count() or 1)))  # RewardScorer's

@@ -94,7 +94,8 @@ class MemoryPlanConfig:
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
     # the host plan (megamu.memory_plan_phases): None plans no host memory (a caller with no node to read)
     host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
-        "RAM of one node for the host-memory plan (default: read from this machine)"))
+        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
+        "GPUs plans the host only when given)"))
     ranks_per_node: int = 8  # trainer ranks (GPUs) on one node
     reward_workers: int = 0
     save_optimizer: bool = True  # checkpoints carry the optimiser state (--no-save-optim: they do not)

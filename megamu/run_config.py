@@ -147,11 +147,12 @@ class RunConfig:
 
 
 def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
-                   for_gpu: bool, host_memory_gib: float | None = None, ranks_per_node: int = 1
-                   ) -> MemoryPlanConfig | None:
+                   for_gpu: bool, host_memory_gib: float | None = None, ranks_per_node: int = 1,
+                   read_host_memory: bool = False) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). ``host_memory_gib`` None:
-    this machine's RAM (psutil), the node's when a rank checks it, the login machine's in a dry run."""
+    this machine's RAM (psutil) with ``read_host_memory`` (a GPU node checking itself), else no host plan (a dry run
+    on a machine without GPUs is not the node: its RAM says nothing)."""
     if model_config is None or not for_gpu:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
@@ -179,6 +180,7 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
         else None, push_bucket_mb=sg.weight_bucket_mb,
         push_bucket_copies=1 if world > 1 and not sg.urls else sg.num_servers * sg.tp_size,  # rank_push.py
-        host_memory_gib=host_memory_gib if host_memory_gib is not None else psutil.virtual_memory().total / 2**30,
+        host_memory_gib=host_memory_gib if host_memory_gib is not None
+        else psutil.virtual_memory().total / 2**30 if read_host_memory else None,
         ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
         reward_workers=run.rollout.reward.num_workers or max(1, min(4, os.cpu_count() or 1)))  # RewardScorer's

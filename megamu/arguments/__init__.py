@@ -259,7 +259,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
                      world=int(os.environ.get("WORLD_SIZE", "1")), gpu_memory_gib=args.gpu_memory_gib,
-                     host_memory_gib=args.host_memory_gib,  # torchrun sets LOCAL_WORLD_SIZE; the dry run too
+                     host_memory_gib=args.host_memory_gib, read_host_memory=device.is_cuda,
+                     # torchrun sets LOCAL_WORLD_SIZE; the examples' dry run too
                      ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))),
                      for_gpu=device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine")
     return replace(run, memory=memory)

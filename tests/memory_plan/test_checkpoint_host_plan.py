@@ -148,3 +148,23 @@ def test_the_7b_baseline_dry_run_prints_checkpoint_and_host_and_fits(tmp_path):
     assert "optimiser state streamed to host" in save and save.rstrip().endswith("fits")
     assert "host (GiB per node of 4 trainer ranks; RAM 2048 GiB)" in proc.stdout
     assert _host_total(proc.stdout).endswith("fits")
+
+
+def test_the_node_ram_is_read_on_a_gpu_machine_and_given_for_a_dry_run_elsewhere(tmp_path):
+    """A GPU run plans the host against its own machine's RAM (psutil); a run parsed without GPUs (a dry run on a
+    login machine) plans the host only with --host-memory-gib: this machine's RAM is not the node's."""
+    import psutil
+
+    from megamu.arguments import parse_args
+    from megamu.device import Device
+    from tests.tiny import save_tiny_model
+    from tools import gpu_check
+
+    hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=3)
+    gpu = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", True), device=Device("cuda"))
+    assert gpu.memory.host_memory_gib == pytest.approx(psutil.virtual_memory().total / GIB)
+    flags = gpu_check.stage_flags(hf, tmp_path / "run", True) + ["--dry-run"]  # the GPU run's flags, checked here
+    assert parse_args(flags, device=Device("cpu")).memory.host_memory_gib is None
+    assert plan_memory(parse_args(flags, device=Device("cpu")).memory).host is None
+    given = parse_args(flags + ["--host-memory-gib", "512"], device=Device("cpu")).memory
+    assert given.host_memory_gib == 512 and plan_memory(given).host.host_memory_gib == 512

@@ -7,6 +7,8 @@
 #   RUN_ROOT=runs       SAVE_DIR overrides the run directory (default $RUN_ROOT/<model>/<algorithm>)
 #   SGLANG_URL          URL[,URL] of running SGLang servers or an sglang-router (default: start one server per GPU)
 #   DRY_RUN=1           validate the flags and print the plan only (python, no torchrun, no GPU, no weights needed)
+#   HOST_MEMORY_GIB     RAM of one node for the host-memory plan (default: read from the GPU machine that runs
+#                       this; a dry run without GPUs plans the host only when it is set)
 #   PYTHON, TORCHRUN    interpreters to launch with (default python, torchrun)
 # Extra arguments to a run script are appended to the flags and win over them (argparse: last one counts).
 
@@ -67,11 +69,14 @@ megamu_launch() {
     shift
     paper_flags
     local save="${SAVE_DIR:-${RUN_ROOT:-$MEGAMU_ROOT/runs}/$MODEL_NAME/$method}"
-    local flags=("${PAPER_FLAGS[@]}" --save "$save" "$@")
+    local flags=("${PAPER_FLAGS[@]}" --save "$save")
+    [[ -n "${HOST_MEMORY_GIB:-}" ]] && flags+=(--host-memory-gib "$HOST_MEMORY_GIB")
+    flags+=("$@")
     cd "$MEGAMU_ROOT"
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
-        # WORLD_SIZE lets the dry run check TP against the GPUs the real launch would have.
-        WORLD_SIZE=$((GPUS * NNODES)) exec "${PYTHON:-python}" pretrain_mu_grpo.py "${flags[@]}" --dry-run
+        # WORLD_SIZE lets the dry run check TP against the GPUs the real launch would have; LOCAL_WORLD_SIZE (as
+        # torchrun sets it) gives the host-memory plan the ranks of one node.
+        WORLD_SIZE=$((GPUS * NNODES)) LOCAL_WORLD_SIZE=$GPUS exec "${PYTHON:-python}" pretrain_mu_grpo.py "${flags[@]}" --dry-run
     fi
     local dist=(--nproc_per_node "$GPUS")
     if ((NNODES > 1)); then

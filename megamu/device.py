@@ -102,6 +102,20 @@ class Device:
         if self.is_cuda:
             torch.cuda.empty_cache()
 
+    def ipc_collect(self) -> None:
+        """Free the CUDA blocks this process shared over IPC whose consumers have closed them: torch keeps a shared
+        block until then, and ``empty_cache`` does not reclaim it (slime calls it after each pushed bucket and after
+        the push, update_weight_from_tensor.py). CPU tensors shared as files need nothing."""
+        if self.is_cuda:
+            torch.cuda.ipc_collect()
+
+    def release_host_cache(self) -> None:
+        """Return the free pinned blocks torch's CachingHostAllocator keeps (power-of-two rounded, ATen/core/
+        CachingHostAllocator.h) to the OS: a checkpoint's pinned staging must not stay for the rest of the run. The
+        same call as ``torch.cuda.graphs`` makes (``torch._C._host_emptyCache``); CPU builds have no such cache."""
+        if self.is_cuda:
+            torch._C._host_emptyCache()
+
 
 CPU = Device("cpu")
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from megamu.config_fields import flag
 from megamu.errors import ConfigError
+from megamu.memory_plan_phases import checkpoint_rows, plan_host
 from megamu.model_shape import ModelShape, padded_vocab, require_positive
 
 __all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
@@ -87,12 +88,21 @@ class MemoryPlanConfig:
     # once per server TP rank it goes to), "disk" reloads an export; None: no push phase (staged, async)
     weight_push: str | None = None
     push_bucket_mb: float = 512.0
-    push_bucket_copies: int = 1  # flattened copies of one bucket alive at once: servers on the node x server TP
+    # flattened copies of one bucket alive at once on a GPU: 1 when each rank pushes its own (rank_push.py); one
+    # process pushing to all servers (tensor_sync.send_tensors): servers on the node x server TP
+    push_bucket_copies: int = 1
     gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
         "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
     reference_model: bool = False  # the KL term's frozen π_ref (training/reference.py): params like the actor's
+    # the host plan (megamu.memory_plan_phases): None plans no host memory (a caller with no node to read)
+    host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
+        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
+        "GPUs plans the host only when given)"))
+    ranks_per_node: int = 8  # trainer ranks (GPUs) on one node
+    reward_workers: int = 0
+    save_optimizer: bool = True  # checkpoints carry the optimiser state (--no-save-optim: they do not)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -133,6 +143,9 @@ class MemoryPlanConfig:
         if self.weight_push not in (None, "memory", "disk"):
             raise ConfigError("weight_push", f"{self.weight_push!r}: expected 'memory', 'disk' or None")
         require_positive("push_bucket_copies", self.push_bucket_copies)
+        require_positive("ranks_per_node", self.ranks_per_node)
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ConfigError("host_memory_gib", f"must be a positive number of GiB, got {self.host_memory_gib!r}")
         if self.release_during_training and self.rollout_mode != "colocated":
             raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
                               f"(rollout_mode={self.rollout_mode!r})")
@@ -255,10 +268,12 @@ def _logits_bytes(c: MemoryPlanConfig) -> int:
 class MemoryPlan:
     """Rows of (phase, part, bytes) per GPU; ``table()`` to print, ``check()`` to refuse what cannot fit."""
 
-    def __init__(self, config: MemoryPlanConfig, rows: list[Row], no_kv_cache: list[str] | None = None):
+    def __init__(self, config: MemoryPlanConfig, rows: list[Row], no_kv_cache: list[str] | None = None,
+                 host=None):
         self.config = config
         self._rows = rows
         self._no_kv_cache = list(no_kv_cache or [])  # servers SGLang would refuse to start
+        self.host = host  # megamu.memory_plan_phases.HostPlan, per node; None without --host-memory-gib
 
     def rows(self) -> list[Row]:
         return list(self._rows)
@@ -288,6 +303,8 @@ class MemoryPlan:
             total = self.total(phase) / GIB
             verdict = "fits" if total <= device else f"OVER by {total - device:.2f}"
             lines.append(f"{'  total':<{width + 16}}{total:8.2f}  / {device:.1f}  {verdict}")
+        if self.host is not None:
+            lines.append(self.host.table(width + 16))
         return "\n".join(lines)
 
     def check(self) -> None:
@@ -311,6 +328,8 @@ class MemoryPlan:
                     break
         if problems:
             raise ConfigError("gpu_memory_gib", "the memory plan does not fit the device: " + "; ".join(problems))
+        if self.host is not None:
+            self.host.check()
 
 
 def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
@@ -384,6 +403,9 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     rows += [Row("training", f"activations, {_RECOMPUTE_LABEL[g]}", _activation_bytes(c, g), False)
              for g in RECOMPUTE if g != c.recompute_granularity]
     rows.append(Row("training", "logits and log-softmax temporaries (fp32)", _logits_bytes(c)))
+    # a save follows an update: the training phase's rows but its activations and logits
+    rows += checkpoint_rows("checkpoint", [r for r in rows if r.phase == "training" and r.counted
+                                           and not r.part.startswith(("activations", "logits"))])
 
     if c.rollout_mode != "async":
         rows.append(Row(phase, "CUDA context + NCCL (trainer)", ctx))
@@ -393,7 +415,9 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     if c.rollout_mode == "colocated" and c.weight_push:
         rows += _push_rows(c, ctx, [] if c.offload_train else state, server_weights,
                            (sum(m.param_counts()) + m.expert_params()) * e if c.weight_push == "memory" else 0)
-    return MemoryPlan(c, rows, no_kv)
+    host = None if c.host_memory_gib is None else plan_host(c, n_dense=dense_local, n_expert=expert_local,
+                                                            mirrored=main + moments)
+    return MemoryPlan(c, rows, no_kv, host)
 
 
 def _push_rows(c: MemoryPlanConfig, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int,
@@ -405,7 +429,7 @@ def _push_rows(c: MemoryPlanConfig, ctx: int, trainer_state: list[tuple[str, int
     rows = [Row(phase, "CUDA context + NCCL (trainer)", ctx)]
     rows += [Row(phase, f"trainer {part}", b) for part, b in trainer_state]
     if gathered:
-        rows.append(Row(phase, f"full weights gathered for the push (rank 0, {c.params_dtype})", gathered))
+        rows.append(Row(phase, f"full weights gathered for the push (each pushing rank, {c.params_dtype})", gathered))
         rows.append(Row(phase, f"flattened push buckets ({c.push_bucket_copies} x {c.push_bucket_mb:g} MiB)",
                         int(c.push_bucket_copies * c.push_bucket_mb * 2**20)))
     for i in range(c.servers_per_gpu):

@@ -218,6 +218,11 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def ranks_per_node() -> int:
+    """Trainer ranks on one node: torchrun's LOCAL_WORLD_SIZE (the whole world without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
 def is_node_main() -> bool:
     """Local rank 0 of this node (torchrun's LOCAL_RANK): the rank that owns the node's SGLang servers."""
     return int(os.environ.get("LOCAL_RANK", "0")) == 0

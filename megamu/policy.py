@@ -20,6 +20,7 @@ from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.device import Device
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.model import ModelArch, build_model
+from megamu.model.config import MOE_LOAD_BALANCING, check_load_balancing
 from megamu.records import RolloutSample
 from megamu.training.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
 from megamu.training.memory import TrainerMemory
@@ -50,6 +51,9 @@ class CheckpointConfig:
         "also export the policy as <save>/hf/iter_N every N updates, for evaluation (0: off)"))
     keep_hf_exports: int | None = flag("--keep-hf-exports", default=None, type=int, help=(
         "--hf-export-interval exports kept, newest first (0: all; default: --keep-checkpoints)"))
+    save_optim: bool = flag("--save-optim", default=True, action="optional_bool", help=(
+        "checkpoints carry the optimiser state (Megatron's --no-save-optim: weights only, a resume restarts Adam; "
+        "the host-memory plan's fix when the save's host copy of the optimiser state does not fit)"))
 
     def __post_init__(self):
         check_non_negative(self, "save_interval", "keep", "hf_export_interval", "keep_hf_exports")
@@ -88,9 +92,17 @@ class PolicyConfig:
     recompute_granularity: str | None = flag("--recompute-granularity", default=None, choices=["full", "selective"],
                                              help="activation recomputation in the backward (less memory, ~1/3 more "
                                                   "compute for full)")
+    # MoE router load balancing, megatron-core's own (TransformerConfig moe_router_load_balancing_type and
+    # moe_aux_loss_coeff, transformer/moe/router.py); off by default: μ-GRPO's loss is the policy objective alone
+    moe_router_load_balancing_type: str = flag(
+        "--moe-router-load-balancing-type", default="none", choices=list(MOE_LOAD_BALANCING),
+        help="the MoE router's auxiliary load-balancing loss (megatron's; default none)")
+    moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", default=0.0, type=float,
+                                     help="its coefficient (megatron's; > 0 with a load-balancing type)")
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
+        check_load_balancing(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff)
         if not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         for name, choices in (("export_dtype", DTYPES), ("recompute_granularity", ("full", "selective")),
@@ -121,7 +133,8 @@ class Policy:
                               "with TP > 1, which megamu does not run)")
         impl = cfg.transformer_impl or cfg.device.transformer_impl
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
-                                 recompute_granularity=cfg.recompute_granularity)
+                                 recompute_granularity=cfg.recompute_granularity,
+                                 load_balancing=(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff))
         # a group's prompt packed once before its responses needs a per-row attention mask, which only the local
         # spec's PortableAttention takes; TE's fused attention gets one row per sample
         self.share_prompts = impl == "local"
@@ -212,7 +225,7 @@ class Policy:
 
     def save(self, iteration: int, extra: dict) -> None:
         save_checkpoint(self.cfg.checkpoint.save, iteration, self.model, self.arch, self.optimizer, extra=extra,
-                        keep=self.cfg.checkpoint.keep)
+                        keep=self.cfg.checkpoint.keep, save_optim=self.cfg.checkpoint.save_optim)
 
     def export(self, out: Path) -> Path:
         """The weights as an HF folder ``out`` (atomic; a finished folder of the same name is reused)."""
@@ -243,13 +256,13 @@ class Policy:
         experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
         nothing, so no rank but 0 ever holds a full copy.
 
-        ``every_node``: on each node's local rank 0 instead, for pushes that only open on their own host (CUDA IPC
-        handles, tensor_sync.py). Then every replica gathers, each within its own TP and EP groups (as slime's
-        colocated update does), and local rank 0 of each node keeps the result: the gathers are all-gathers, so every
-        rank of a group sees the full tensors."""
+        ``every_node``: on every rank instead, each on its own GPU, for pushes in which each rank hands its copy to
+        the server on its GPU (CUDA IPC handles, rank_push.py). Then every replica gathers, each within its own TP
+        and EP groups (as slime's colocated update does), and every rank keeps the result: the gathers are
+        all-gathers, so every rank of a group sees the full tensors."""
         if not (every_node or parallel.gathers_full_weights()):
             return None
-        keep = parallel.is_node_main() if every_node else parallel.is_main_rank()
+        keep = every_node or parallel.is_main_rank()
         dtype = DTYPES[self.export_dtype]
         gathered = mcore_to_hf_tensors(self.arch, full_state_dict(self.model, self.arch))
         if not keep:

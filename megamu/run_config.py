@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from megamu.algo import AlgoConfig
 from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
@@ -159,11 +161,14 @@ class RunConfig:
 
 
 def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
-                   for_gpu: bool, memory_saver: bool | None = None) -> MemoryPlanConfig | None:
+                   for_gpu: bool, memory_saver: bool | None = None, host_memory_gib: float | None = None,
+                   ranks_per_node: int = 1, read_host_memory: bool = False) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). ``memory_saver``: whether
     the GPU run's servers have SGLang's memory saver (a CPU dry run's engine was placed for CPU, which has none);
-    None: the run's own setting."""
+    None: the run's own setting. ``host_memory_gib`` None: this machine's RAM (psutil) with ``read_host_memory`` (a
+    GPU node checking itself), else no host plan (a dry run on a machine without GPUs is not the node: its RAM says
+    nothing)."""
     if model_config is None or not for_gpu:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
@@ -191,4 +196,9 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
             sg.memory_saver if memory_saver is None else memory_saver), gpu_memory_gib=gpu_memory_gib,
         temperature=policy.temperature, reference_model=run.algo.uses_reference,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
-        else None, push_bucket_mb=sg.weight_bucket_mb, push_bucket_copies=sg.num_servers * sg.tp_size)
+        else None, push_bucket_mb=sg.weight_bucket_mb,
+        push_bucket_copies=1 if world > 1 and not sg.urls else sg.num_servers * sg.tp_size,  # rank_push.py
+        host_memory_gib=host_memory_gib if host_memory_gib is not None
+        else psutil.virtual_memory().total / 2**30 if read_host_memory else None,
+        ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
+        reward_workers=run.rollout.reward.num_workers or max(1, min(4, os.cpu_count() or 1)))  # RewardScorer's

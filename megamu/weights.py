@@ -32,5 +32,6 @@ class Weights:
 
     version: int  # optimiser updates behind these weights: the policy version of the samples they generate
     hf_dir: Path | None = None
-    tensors: dict[str, torch.Tensor] | None = None  # full HF-named tensors in the export dtype; on global rank 0 only
+    # full HF-named tensors in the export dtype; on global rank 0 (on every rank for per-rank pushes)
+    tensors: dict[str, torch.Tensor] | None = None
     probe: LogprobProbe | None = None

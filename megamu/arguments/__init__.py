@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig, algo_preset
-from megamu.arguments.defaults import announcements, resolve_defaults, world_size
+from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
     _config,
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
     add_fields(g, RolloutConfig, ["seed"])
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
-    add_fields(g, PolicyConfig, ["recompute_granularity"])
+    add_fields(g, PolicyConfig, ["recompute_granularity", "moe_router_load_balancing_type", "moe_aux_loss_coeff"])
 
     g = p.add_argument_group("optimiser (Megatron names)")
     add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints and logging (Megatron names)")
     add_fields(g, CheckpointConfig, ["save", "load", "pretrained_checkpoint", "save_interval", "hf_export_interval",
-                                     "keep", "keep_hf_exports"])
+                                     "keep", "keep_hf_exports", "save_optim"])
     add_fields(g, PolicyConfig, ["export_dtype"])
     add_fields(g, RunConfig, ["tensorboard_dir", "log_interval"])
 
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib"])
+    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib", "host_memory_gib"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
@@ -293,6 +293,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)
     memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
                      world=world_size(args), gpu_memory_gib=args.gpu_memory_gib, for_gpu=for_gpu,
+                     host_memory_gib=args.host_memory_gib, read_host_memory=device.is_cuda,
+                     ranks_per_node=gpus_per_node(args),
                      # the servers as a GPU run places them (a CPU dry run's were placed for CPU: no memory saver)
                      memory_saver=SGLangConfig(memory_saver=args.sglang_memory_saver).placed(
                          args.rollout_mode == "colocated", "nccl").memory_saver)

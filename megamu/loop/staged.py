@@ -21,14 +21,27 @@ from megamu.rollout.dataset import StageDataset
 from megamu.rollout.dynamic import run_dynamic_rollout
 from megamu.rollout.phase import run_rollout_phase
 
-PROBE_TOKENS = 32  # tokens of the first held-out prompt whose log-probs check each SGLang push
+PROBE_TOKENS = 32  # tokens whose teacher-forced log-probs check each SGLang push (``probe_tokens``)
+PROBE_PROMPTS = 4
+
+
+def probe_tokens(held_out: list, train: list) -> list[int] | None:
+    """The tokens of each push's log-prob probe: the first held-out prompt's; without a held-out set (the examples
+    pass --eval-prompts 0) the first ``PROBE_PROMPTS`` training prompts' in turn, a fixed choice, so every push is
+    still compared with the trainer's log-probs, not only with SGLang's weight-version counter."""
+    if held_out:
+        return list(held_out[0].prompt_ids[:PROBE_TOKENS])
+    ids: list[int] = []
+    for p in train[:PROBE_PROMPTS]:
+        ids += list(p.prompt_ids[: PROBE_TOKENS // PROBE_PROMPTS])
+    return ids if len(ids) > 1 else None
 
 
 def train_staged(run) -> None:
     """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
     cfg, plan, policy, run_dir, held_out = run.cfg, run.plan, run.policy, run.run_dir, run.prompts.held_out
     engine = make_lifecycle(plan.rollout_mode, cfg.engine, run.metrics.log,
-                            probe_ids=held_out[0].prompt_ids[:PROBE_TOKENS] if held_out else None)
+                            probe_ids=probe_tokens(held_out, run.prompts.train))
     if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now
         run_dir.prune_done_stage_exports()
     scorer, t_eval = make_scorer(cfg.rollout.reward) if parallel.is_main_rank() else None, 0.0

@@ -18,10 +18,13 @@ def build_model(
     bf16: bool = False,
     perform_initialization: bool = True,
     recompute_granularity: str | None = None,
+    load_balancing: tuple[str, float] = ("none", 0.0),
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
     perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
     ``recompute_granularity``: "full" / "selective" activation recomputation, see ``recompute_fields``.
+    ``load_balancing``: an MoE router's (megatron's load-balancing type, aux-loss coefficient), see
+    ``moe_config_fields``.
     ``transformer_impl`` defaults to the device's (see megamu.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -34,7 +37,7 @@ def build_model(
                                 etp=parallel_state.get_expert_tensor_parallel_world_size(), params_dtype=params_dtype,
                                 bf16=bf16, transformer_impl=transformer_impl,
                                 perform_initialization=perform_initialization,
-                                recompute_granularity=recompute_granularity,
+                                recompute_granularity=recompute_granularity, load_balancing=load_balancing,
                                 use_cpu_initialization=not device.is_cuda)
     model = GPTModel(
         config=config,

@@ -191,8 +191,8 @@ def fusion_fields(transformer_impl: str) -> dict[str, bool]:
 # Router settings follow HF's Qwen3-MoE (softmax over all experts, then top-k; ``norm_topk_prob`` renormalises the k
 # weights): megatron's ``moe_router_pre_softmax=False`` takes the top-k logits and softmaxes those, which equals
 # normalised top-k probabilities; ``pre_softmax=True`` softmaxes all logits, then takes the top k, unnormalised.
-# No load-balancing loss: μ-GRPO's loss is the policy objective alone (HF adds its aux loss only when asked for
-# router logits).
+# No load-balancing loss by default: μ-GRPO's loss is the policy objective alone (HF adds its aux loss only when
+# asked for router logits); --moe-router-load-balancing-type / --moe-aux-loss-coeff turn megatron's own on.
 @dataclass(frozen=True)
 class MoeImpl:
     grouped_gemm: bool  # TEGroupedMLP experts (GPU) vs SequentialMLP (CPU)
@@ -209,7 +209,21 @@ def moe_impl(transformer_impl: str) -> MoeImpl:
     raise ValueError(f"--transformer-impl {transformer_impl!r} is not supported; expected local or transformer_engine")
 
 
-def moe_config_fields(arch: ModelArch, transformer_impl: str) -> dict:
+MOE_LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")  # megatron's aux-loss types
+
+
+def check_load_balancing(kind: str, coeff: float) -> None:
+    """A load-balancing type and its coefficient come together: megatron adds no loss at coefficient 0, and a
+    coefficient without a type would be ignored."""
+    if kind not in MOE_LOAD_BALANCING:
+        raise ConfigError("moe_router_load_balancing_type", f"{kind!r}: expected one of {MOE_LOAD_BALANCING}")
+    if coeff < 0 or (kind == "none") != (coeff == 0):
+        raise ConfigError("moe_aux_loss_coeff", f"{coeff} with load-balancing type {kind!r}: give a coefficient > 0 "
+                                                "with a type, 0 with none")
+
+
+def moe_config_fields(arch: ModelArch, transformer_impl: str, load_balancing: tuple[str, float] = ("none", 0.0)
+                      ) -> dict:
     """TransformerConfig fields of an MoE arch (none for a dense one)."""
     if not arch.num_experts:
         return {}
@@ -220,12 +234,23 @@ def moe_config_fields(arch: ModelArch, transformer_impl: str) -> dict:
         "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": load_balancing[0],
+        "moe_aux_loss_coeff": load_balancing[1],
         "moe_router_dtype": "fp32",  # HF's Qwen3-MoE softmaxes the router logits in fp32
         "moe_grouped_gemm": impl.grouped_gemm,
         "moe_token_dispatcher_type": impl.token_dispatcher,
     }
+
+
+def scale_router_aux_loss(weight: float) -> None:
+    """The gradient scale of MoE routers' aux loss in the next backward: megatron adds it through
+    ``MoEAuxLossAutoScaler`` (transformer/moe/moe_utils.py), scaled by a class-wide value its own schedule sets per
+    micro-batch (pipeline_parallel/schedules.py ``forward_step``: the loss scale / micro-batches). megamu's loop weights
+    each micro-batch's policy loss by its share of the minibatch; the aux loss gets the same weight, so the update
+    sees coeff x the minibatch's weighted mean of it. No effect without an aux loss."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(weight)))
 
 
 def transformer_config(
@@ -240,6 +265,7 @@ def transformer_config(
     perform_initialization: bool = True,
     recompute_granularity: str | None = None,
     use_cpu_initialization: bool = True,
+    load_balancing: tuple[str, float] = ("none", 0.0),
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -273,5 +299,5 @@ def transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         **fusion_fields(transformer_impl),
-        **moe_config_fields(arch, transformer_impl),
+        **moe_config_fields(arch, transformer_impl, load_balancing),
     )

@@ -100,7 +100,10 @@ def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> 
     """({name: ShardedTensor} of every parameter's moments, {name: step}); sharded like the parameter itself.
 
     ``templates``: empty tensors of the right shapes to load into, else the optimiser's current state (every rank
-    asks for every parameter: on GPU ``param_state`` is a data-parallel collective)."""
+    asks for every parameter: on GPU ``param_state`` is a data-parallel collective). Both live in host memory: the
+    GPU's ``param_state`` streams each state to the host through one bounded buffer, and a load moves only each
+    rank's range to the device (``megamu.training.optimizer_shards``), so neither materialises the optimiser state
+    on the GPU a second time (the memory plan's ``checkpoint`` phase)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     by_id = _param_tensors(model_sd)
@@ -110,7 +113,7 @@ def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> 
         if templates:
             dtype = torch.float32 if parallel.device().is_cuda else p.dtype  # GPU moments are fp32 (megatron Adam)
             keys = MOMENTS if p.dtype != torch.float32 and parallel.device().is_cuda else MOMENTS[:2]
-            state = {k: torch.empty(p.shape, dtype=dtype, device=p.device) for k in keys}
+            state = {k: torch.empty(p.shape, dtype=dtype) for k in keys}  # host: see the docstring
         else:
             state = optimizer.param_state(p)
             if state is None:  # before the first update: no moments anywhere (all parameters step together)
@@ -131,13 +134,14 @@ def _write_sharded(sharded: dict, folder: Path) -> None:
 
 def save_checkpoint(
     save_dir: str | Path, iteration: int, model, arch: ModelArch, optimizer, *, extra: dict,
-    hf_source_dir: str | Path | None = None, keep: int = 2,
+    hf_source_dir: str | Path | None = None, keep: int = 2, save_optim: bool = True,
 ) -> Path:
     """Write ``save_dir/iter_{iteration:07d}`` and point the tracker at it; returns the folder (on every rank).
 
     ``extra`` (JSON-serialisable: stage, update offset, ...) comes back from ``load_checkpoint``. ``keep``: how many
     checkpoints to leave (newest first, the new one always among them; 0 keeps all), see ``prune_checkpoints``.
-    ``hf_source_dir``: recorded in the run state (where the run's tokenizer and config came from).
+    ``hf_source_dir``: recorded in the run state (where the run's tokenizer and config came from). ``save_optim``
+    False (Megatron's --no-save-optim): no optimiser state; a resume restarts Adam from zero moments.
 
     Every rank writes its own shards into one temp folder beside the target (``save_dir`` must be on a filesystem
     every rank sees, as for Megatron); rank 0 then adds the run state, renames the folder into place and moves the
@@ -152,17 +156,22 @@ def save_checkpoint(
     rngs = parallel.all_gather_object(_rng_state())
     tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
     model_sd = unwrap(model).sharded_state_dict()
-    opt_sd, steps = _optimizer_sharded(model, model_sd, optimizer, templates=False)
+    opt_sd, steps = _optimizer_sharded(model, model_sd, optimizer, templates=False) if save_optim else ({}, {})
     bf16 = any(p.dtype == torch.bfloat16 for p in unwrap(model).parameters())
+    entries = megatron_entries(arch, iteration, optimizer.cfg, plan=extra.get("plan"), world=world,
+                               hf_source_dir=str(hf_source_dir) if hf_source_dir is not None else None, bf16=bf16)
+    entries["args"].no_save_optim = not save_optim
     sharded = {"model": model_sd, "optimizer": opt_sd, "optimizer_steps": steps, "iteration": iteration,
                "checkpoint_version": CHECKPOINT_VERSION,  # Megatron-LM's top-level names, and what it reads besides
-               **megatron_entries(arch, iteration, optimizer.cfg, plan=extra.get("plan"), world=world,
-                                  hf_source_dir=str(hf_source_dir) if hf_source_dir is not None else None, bf16=bf16)}
+               **entries}
     error = None
     try:
         _write_sharded(sharded, tmp)
     except (Exception, CheckpointException) as e:  # disk full on one rank: every rank still reaches the gather
         error = f"{type(e).__name__}: {e}"
+    has_optimizer_state = bool(opt_sd)
+    del sharded, opt_sd  # the host copy of the optimiser state goes before the rank moves on
+    parallel.device().release_host_cache()  # megatron's pinned staging: back to the OS, not kept for the run
     errors = parallel.all_gather_object(error)
 
     def finish() -> None:
@@ -171,7 +180,7 @@ def save_checkpoint(
             "format": FORMAT,
             "iteration": iteration,
             "optimizer": optimizer.state_dict(),
-            "has_optimizer_state": bool(opt_sd),
+            "has_optimizer_state": has_optimizer_state,
             "tensor_model_parallel_size": parallel.tp_size(),
             "data_parallel_size": parallel.dp_size(),
             "world_size": world,

@@ -340,25 +340,27 @@ class MegatronDistributedAdam(SkipCounter):
         return None
 
     def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Adam moments, plus the fp32 "main_param" where it differs from the model's (bf16) weight."""
+        """Adam moments, plus the fp32 "main_param" where it differs from the model's (bf16) weight: fp32 HOST tensors
+        of ``p``'s shape, assembled chunk by chunk (``optimizer_shards``: one bounded device buffer, not a full copy
+        of the optimiser state on the GPU)."""
         # Each DP rank owns a contiguous range of every flattened parameter; summing the zero-filled pieces over the
         # DP group rebuilds the full (TP-local) tensor: a collective, so every rank calls it for every parameter.
+        from megamu.training.optimizer_shards import assemble_dp_sharded
+
         self._sync_main_params()  # a checkpoint before the first update must not save the construction-time copy
         opt = self._owner(p)
         keys = ADAM_STATES + (("main_param",) if p.dtype != torch.float32 else ())
-        full = {k: torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for k in keys}
+        start = end = 0
+        local: dict[str, torch.Tensor] = {}
         if opt is not None:
             rng = opt._get_model_param_range_map(p)["param"]
-            local = opt._get_main_param_and_optimizer_states(p)
+            start, end = rng.start, rng.end
+            local = opt._get_main_param_and_optimizer_states(p)  # moments are absent before the first update
             local = {**local, "main_param": local["param"]}
-            for k in keys:
-                if k in local:  # moments are absent before the first update
-                    full[k][rng.start : rng.end] = local[k].detach().view(-1).float()
         # expert parameters (megatron marks them allreduce=False at EP > 1) are sharded over the expert-data-parallel
         # group, whose ranks hold the same experts, not over the data-parallel group
         group = parallel.dp_group() if getattr(p, "allreduce", True) else parallel.expert_dp_group()
-        for k in keys:
-            dist.all_reduce(full[k], group=group)
+        full = assemble_dp_sharded(p.numel(), start, end, local, keys, group, p.device)
         return {"step": torch.tensor(float(self.iteration)), **{k: v.view(p.shape) for k, v in full.items()}}
 
     def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
@@ -372,12 +374,15 @@ class MegatronDistributedAdam(SkipCounter):
             return
         if "exp_avg" not in opt._get_main_param_and_optimizer_states(p):
             opt.init_state_fn(opt.optimizer, opt.config)  # megatron's Adam creates its moments lazily
+        from megamu.training.optimizer_shards import load_dp_range
+
         rng = opt._get_model_param_range_map(p)["param"]
         local = opt._get_main_param_and_optimizer_states(p)
         main = state["main_param"] if restore_main else p.detach()
-        tensors = {"param": main.to(p.device).float().reshape(-1)[rng.start : rng.end].view_as(local["param"])}
+        # slice on the host, then move: only this rank's range of a loaded (host) state reaches the GPU
+        tensors = {"param": load_dp_range(main, rng.start, rng.end, local["param"])}
         for k in ADAM_STATES:
-            tensors[k] = state[k].to(p.device).float().reshape(-1)[rng.start : rng.end].view_as(local[k])
+            tensors[k] = load_dp_range(state[k], rng.start, rng.end, local[k])
         opt._set_main_param_and_optimizer_states(p, {**tensors, **({"step": local["step"]} if "step" in local else {})})
         if isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # per-parameter step (TE's: per group)
             opt.optimizer.state[local["param"]]["step"] = torch.as_tensor(state["step"], dtype=torch.float32).clone()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megamu import parallel
 from megamu.algo import REFERENCE_TAU, AlgoConfig, lower_tail_stats, neg_adv_log_ratios, policy_loss
 from megamu.model import score_tokens
+from megamu.model.config import scale_router_aux_loss
 from megamu.records import RolloutSample
 from megamu.training.batch import (
     PackedBatch,
@@ -121,6 +122,7 @@ def train_step(
         entropy = entropy.detach()
         mb_tok = st["n_tokens"]
         weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
+        scale_router_aux_loss(weight)  # an MoE router's aux loss: weighted as this micro-batch's policy loss
         (loss * weight).backward()
         tails.append(neg_adv_log_ratios(logp, batch.behaviour_logp, batch.advantages, batch.response_mask))
 
@@ -142,6 +144,7 @@ def train_step(
         if mb_tok:
             log_ratio_min = min(log_ratio_min, st["log_ratio_min"])
 
+    scale_router_aux_loss(0.0)  # the padding passes change nothing, their routers' aux loss included
     zero_weight_passes(model, samples, padding, device=device, temperature=temperature, share_prompts=share_prompts,
                        backward=True)
     grad_norm, lr = optimizer.step()

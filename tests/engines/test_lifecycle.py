@@ -50,6 +50,12 @@ class FakeEngine:
     def post_all(self, path, body, what):  # the memory saver's release / resume (engines/sglang/memory.py)
         self.calls.append((path.strip("/").split("_")[0], tuple(body["tags"])))
 
+    def pause_probes(self):  # their order around the release: test_push_order.py
+        pass
+
+    def resume_probes(self):
+        pass
+
     def shutdown(self):
         self.calls.append(("shutdown",))
 

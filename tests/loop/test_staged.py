@@ -66,7 +66,7 @@ class FakeRun:
                                     total_updates=num_stages * MU)
         prompts = make_prompts(tok)
         self.prompts = SimpleNamespace(held_out=prompts[PROMPTS:], eval_sets={"held-out": prompts[PROMPTS:]},
-                                       for_stage=lambda stage: prompts[:PROMPTS])
+                                       train=prompts[:PROMPTS], for_stage=lambda stage: prompts[:PROMPTS])
         self.policy, self.run_dir, self.state, self.tokenizer = FakePolicy(model, events), RunDir(root), state, tok
         self.metrics = SimpleNamespace(log=lambda kind, **f: kind == "eval" and events.append((kind, f["label"])))
         self.eta_shown, self.events = True, events

@@ -110,7 +110,7 @@ def test_example_dry_run_prints_the_plan_and_the_memory_plan(tmp_path):
     data.write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SGLANG_URL", "NNODES", "GPUS")}
     env.update(HF_CHECKPOINT=str(model), PROMPT_DATA=str(data), RUN_ROOT=str(tmp_path / "runs"),
-               PYTHON=sys.executable, PYTHONPATH=str(REPO))
+               PYTHON=sys.executable, PYTHONPATH=str(REPO), HOST_MEMORY_GIB="2048")  # a node's RAM, not this machine's
     proc = subprocess.run(["bash", str(REPO / "examples" / "qwen3-30b-a3b-8xh200.sh"), "--dry-run"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -104,7 +104,7 @@ def test_table_lists_every_part_and_a_total_per_phase():
     table = plan.table()
     for r in plan.rows():
         assert r.part in table
-    assert table.count("  total") == len(plan.phases()) == 2
+    assert table.count("  total") == len(plan.phases()) == 3  # training, checkpoint, rollout
     assert f"{plan.total('training') / GIB:8.2f}" in table
 
 
@@ -121,8 +121,8 @@ def grpo_7b(**overrides) -> MemoryPlanConfig:
 
 
 def test_paper_examples_fit_an_h200_in_every_phase():
-    for config, phases in ((mu_grpo_7b(), ["training", "rollout (staged)"]),
-                           (grpo_7b(), ["training", "rollout (colocated)"])):
+    for config, phases in ((mu_grpo_7b(), ["training", "checkpoint", "rollout (staged)"]),
+                           (grpo_7b(), ["training", "checkpoint", "rollout (colocated)"])):
         plan = plan_memory(config)
         assert plan.phases() == phases
         plan.check()

@@ -163,11 +163,22 @@ def test_grouped_expert_weights_map_to_the_canonical_names(distributed, tmp_path
     model = build_model(arch)
     load_hf_into_model(model, arch, hf_dir)
     canonical = {n: t.clone() for n, t in full_state_dict(model, arch)}
+    # TE's per-expert parameter name, read from megatron-core's own source (not rebuilt here): the key its grouped
+    # linear's sharded_state_dict reads for local expert gemm_idx
+    import re
+    from pathlib import Path
+
+    import megatron.core.extensions as ext
+
+    source = (Path(ext.__file__).parent / "transformer_engine.py").read_text()
+    te_leaves = set(re.findall(r'full_state_dict\[f"(\w+)\{gemm_idx\}"\]', source))
+    assert "weight" in te_leaves  # megatron-core 0.16.1: full_state_dict[f"weight{gemm_idx}"] (and bias)
     grouped = {}
     for name, p in model.named_parameters():  # the same tensors under TEGroupedMLP's names
         if ".local_experts." in name:
             head, rest = name.split(".local_experts.")
             j, linear, leaf = rest.split(".")
+            assert leaf in te_leaves
             name = f"{head}.{linear}.{leaf}{j}"
         grouped[name] = p.detach()
     assert any(n.endswith("mlp.experts.linear_fc1.weight0") for n in grouped)
@@ -177,3 +188,66 @@ def test_grouped_expert_weights_map_to_the_canonical_names(distributed, tmp_path
     back = dict(full_state_dict(te_like, arch))
     assert set(back) == set(canonical)
     assert all(torch.equal(back[n], canonical[n]) for n in canonical)
+
+
+def _router_grads(model, arch, coeff: float, weight: float) -> dict:
+    from megamu.model.config import scale_router_aux_loss
+
+    for p in model.parameters():
+        p.grad = None
+    for m in model.modules():  # the coefficient the config carries (the model is built once, at coefficient 1)
+        if hasattr(m, "config") and getattr(m.config, "moe_aux_loss_coeff", None) is not None:
+            m.config.moe_aux_loss_coeff = coeff
+    logits = model(_ids(arch.vocab_size), torch.arange(SEQ).expand(2, SEQ), None)[..., : arch.vocab_size]
+    scale_router_aux_loss(weight)
+    logits.logsumexp(-1).mean().backward()
+    scale_router_aux_loss(1.0)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.router.weight")}
+
+
+def test_router_aux_loss_is_megatrons_switch_loss_off_by_default(distributed, tmp_path):
+    """--moe-router-load-balancing-type aux_loss / --moe-aux-loss-coeff: megatron-core's own load-balancing loss.
+    Reference, Switch Transformer (arXiv:2101.03961) eq. 4 as megatron-core 0.16.1 states it
+    (transformer/moe/moe_utils.py ``switch_load_balancing_loss_func``): coeff * E * sum_i f_i P_i, f_i the share of
+    the T * k routed slots that go to expert i, P_i the mean softmax probability of expert i. The router weights'
+    gradient gains exactly its derivative (the router's input held fixed, so: the last layer's router, which no other
+    layer's aux loss reaches), scaled by the micro-batch's weight."""
+    from megamu.errors import ConfigError
+    from megamu.model.config import check_load_balancing
+
+    hf_dir = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4, vocab_size=300)
+    arch = ModelArch.from_hf(hf_dir)
+    assert moe_config_fields(arch, "local")["moe_router_load_balancing_type"] == "none"  # off by default
+    assert moe_config_fields(arch, "local")["moe_aux_loss_coeff"] == 0.0
+    model = build_model(arch, params_dtype=torch.float64, load_balancing=("aux_loss", 1.0))
+    load_hf_into_model(model, arch, hf_dir)
+    model.train()
+    inputs: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if name.endswith("mlp.router"):
+            m.register_forward_pre_hook(lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach()))
+    base = _router_grads(model, arch, 0.0, 1.0)
+    coeff, k, experts = 0.01, arch.moe_top_k, arch.num_experts
+    for weight in (1.0, 0.25):
+        got = _router_grads(model, arch, coeff, weight)
+        last = f"decoder.layers.{arch.num_layers - 1}.mlp.router.weight"
+        assert all(g.sub(base[n]).abs().max() > 0 for n, g in got.items())  # every router feels it
+        # the last layer's router alone sees no other layer's aux loss through the hidden states it reads
+        for name, g in [(n, g) for n, g in got.items() if n.endswith(last)]:
+            w = dict(model.named_parameters())[name].detach().clone().requires_grad_(True)
+            x = inputs[name.rsplit(".", 1)[0]].reshape(-1, arch.hidden_size).to(torch.float32)
+            logits = x @ w.to(torch.float32).t()  # moe_router_dtype fp32, as megatron's gate
+            probs = torch.softmax(logits, -1)
+            routed = torch.zeros_like(probs).scatter(1, logits.topk(k, -1).indices, 1.0)
+            tokens = x.shape[0]
+            f, p = routed.sum(0) / (tokens * k), probs.sum(0) / tokens
+            aux = coeff * experts * (f * p).sum()
+            (want,) = torch.autograd.grad(aux * weight, w)
+            delta = g - base[name]
+            assert delta.abs().max() > 0, name
+            # fp32 softmax and sums over 48 tokens: fp32's reorder bound, relative to the gradient's size
+            bound = reorder_rtol(torch.float32, tokens * experts) * want.abs().max().item()
+            assert (delta - want.to(delta.dtype)).abs().max().item() <= bound, (name, weight)
+    for kind, c in (("none", 0.01), ("aux_loss", 0.0), ("aux_loss", -1.0), ("sinkhorn", 1.0)):
+        with pytest.raises(ConfigError):
+            check_load_balancing(kind, c)

@@ -43,6 +43,8 @@ class SchemaServer:
         self.worker_ids: dict[str, str] = {}
         self.probes = 0  # /health and /health_generate requests answered
         self.delay_s = 0.0  # every /generate is held this long (counted as running) before it is answered
+        self.probe_delay_s = 0.0  # every /health_generate is held this long (a one-token generation on SGLang)
+        self.probing = 0  # /health_generate requests being answered now
         self.lock = threading.Lock()
         self.groups: dict = {}  # in-memory weight-sync groups joined, by name
         self.pushed: dict = {}  # every tensor received in memory, by name (the last value)
@@ -174,6 +176,10 @@ class SchemaServer:
                     return
                 if self.path in ("/health", "/health_generate"):  # answered while busy, as SGLang's (no lock)
                     server.probes += 1
+                    if self.path == "/health_generate" and server.probe_delay_s:
+                        server.probing += 1
+                        time.sleep(server.probe_delay_s)
+                        server.probing -= 1
                     return self._reply(200, {})
                 if self.path == "/server_info":
                     info = {"model_path": server.engine.hf_dir, "dtype": "float32",

@@ -55,6 +55,12 @@ class FakeServers:
     def post_all(self, path, body, what):  # memory.release/resume's one call
         self.events.append(f"{path.strip('/').split('_')[0]} " + ",".join(body["tags"]))
 
+    def pause_probes(self):  # SGLangEngine's: no health probe in flight when the servers release their memory
+        self.events.append("pause probes")
+
+    def resume_probes(self):
+        self.events.append("resume probes")
+
 
 def colocated(events, warm: bool, tensors: bool) -> ColocatedSGLang:
     """Servers up (after stage 0) that released all their memory at the end of the last stage's rollout."""
@@ -127,3 +133,14 @@ def test_final_evaluation_runs_after_the_trainer_offloads(events, monkeypatch):
     final_evaluation(run, colocated(events, warm=True, tensors=False), scorer=None)
     assert events == ["gather", "trainer offload + empty_cache", "resume weights", "push folder",
                       "resume kv_cache,cuda_graph", "evaluate final", "trainer onload"]
+
+
+def test_probes_pause_before_the_servers_release_their_memory_and_resume_for_the_rollout(events):
+    """SGLang's /release_memory_occupation asserts an idle server and /health_generate is a request: the probes are
+    paused (and the one in flight drained, test_sglang_health.py) first; the next rollout turns them back on."""
+    lifecycle = colocated(events, warm=False, tensors=True)
+    lifecycle.offload()
+    assert events == ["pause probes", "release kv_cache,weights,cuda_graph"]
+    events.clear()
+    lifecycle.start(1)
+    assert events == ["resume probes"]

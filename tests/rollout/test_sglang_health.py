@@ -292,3 +292,28 @@ def test_a_keeper_probes_while_watching_only(server):
         assert probes_over(8 * PERIOD) >= 2
     finally:
         engine.shutdown()
+
+
+def test_paused_probes_are_drained_before_the_memory_is_released(server):
+    """SGLang 0.5.23's /release_memory_occupation asserts an idle server (weight_updater.py) and /health_generate
+    enqueues a real one-token request (http_server.py): ``pause_probes`` returns only once no probe is in flight,
+    and none starts after it (``watching(False)`` alone leaves the one under way)."""
+    engine = SGLangEngine(None, SGLangConfig(urls=[server.url], api_key="secret", **HEALTH))
+    server.probe_delay_s = 2 * PERIOD  # under the probe timeout: an answer, not a miss
+    try:
+        engine.keep_alive()
+        deadline = time.time() + 30
+        while server.probing == 0 and time.time() < deadline:  # a probe under way
+            time.sleep(0.01)
+        assert server.probing == 1
+        engine.pause_probes()
+        assert server.probing == 0  # drained: the release may go now
+        before = server.probes
+        time.sleep(4 * PERIOD)
+        assert server.probes == before and server.probing == 0
+        engine.resume_probes()
+        time.sleep(4 * PERIOD + server.probe_delay_s)
+        assert server.probes > before  # the next rollout is watched again
+    finally:
+        server.probe_delay_s = 0.0
+        engine.shutdown()

@@ -364,3 +364,20 @@ def test_a_gpu_runs_rng_state_is_where_megatron_lm_looks_for_it(run, tmp_path, m
     assert torch.equal(loaded[0]["torch_rng_state"], state["torch_rng_state"])
     model2, opt2 = fresh(run["arch"])
     assert load_checkpoint(tmp_path / "gpu", model2, run["arch"], opt2)["iteration"] == 3  # megamu's load ignores it
+
+
+def test_no_save_optim_writes_the_weights_alone_and_a_resume_restarts_adam(run, tmp_path):
+    """Megatron's --no-save-optim: no optimiser state in the checkpoint (the host plan's fix for a node whose RAM
+    cannot hold the save's host copy of it); the weights and the run state come back, the moments start at zero."""
+    from megatron.core import dist_checkpointing
+
+    model, opt = fresh(run["arch"])
+    load_checkpoint(run["root"] / "save", model, run["arch"], opt)
+    path = save_checkpoint(tmp_path, 1, model, run["arch"], opt, extra={"stage": 2}, save_optim=False)
+    keys = dist_checkpointing.load_tensors_metadata(str(path))
+    assert keys and not [k for k in keys if k.startswith("optimizer.")]
+    assert json.loads((path / "megamu_state.json").read_text())["has_optimizer_state"] is False
+    again, opt2 = fresh(run["arch"])
+    assert load_checkpoint(tmp_path, again, run["arch"], opt2)["stage"] == 2
+    assert torch.equal(again.embedding.word_embeddings.weight, run["saved_embedding"])
+    assert all(opt2.param_state(p) is None for p in again.parameters())  # Adam starts afresh

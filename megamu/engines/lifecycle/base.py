@@ -23,7 +23,7 @@ class WeightRequest:
 
     folder: bool
     tensors: bool = False
-    every_node: bool = False  # the tensors on each node's local rank 0, which pushes them to its own servers
+    every_node: bool = False  # the tensors on every rank, which pushes them to the server on its own GPU
     probe_ids: list[int] | None = None
 
 

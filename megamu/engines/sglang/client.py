@@ -46,7 +46,9 @@ from megamu.engines.sglang.weight_sync import (
     ModelLayout,
     WeightMismatch,
     WeightSync,
+    check_pushable,
     confirm_weights,
+    keep_for_restarts,
     restore_weights,
     sync_weights,
     weights_restorable,
@@ -244,6 +246,15 @@ class SGLangEngine:
         if self.keeps:
             self._health.keeper = on
 
+    def pause_probes(self) -> None:
+        """Stop this engine's health probes and wait out those in flight, before the servers release their memory."""
+        if self._health is not None:
+            self._health.pause_probes(self.config.probe_timeout_s + 5.0)
+
+    def resume_probes(self) -> None:
+        if self._health is not None:
+            self._health.resume_probes()
+
     def begin_stage(self) -> None:
         """A rollout phase starts: restart budgets and per-server counts start from zero."""
         self._health.begin_stage()
@@ -294,6 +305,16 @@ class SGLangEngine:
         SyncReport. Refused before anything is sent when the weights do not fit the running model; ``version`` (the
         policy version; default: one more than the last) is set on the servers and checked on every sample."""
         return sync_weights(self, hf_dir, state_dict, version, probe)
+
+    def check_pushable(self, state_dict: dict) -> None:
+        """Refuse in-memory weights that do not fit the running model, before anyone sends them."""
+        check_pushable(self, state_dict)
+
+    def pushed_by_ranks(self, state_dict: dict, version) -> None:
+        """The trainer's ranks pushed ``state_dict`` to this node's servers themselves (rank_push.py): expect
+        ``version`` on its samples, and keep the host copy a restarted server gets back."""
+        self.weight_version, self.weights_folder = str(version), None
+        keep_for_restarts(self, state_dict)
 
     def adopt_weights(self, version, probe=None):
         """Weights that each node pushed to its own servers: every server must report ``version`` (it is then

@@ -10,12 +10,14 @@ take it again around the push (memory.py): weights first, the KV cache once the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from megamu import parallel
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle.base import LifecycleBase, Log, WeightRequest
 from megamu.engines.sglang import memory
+from megamu.engines.sglang.rank_push import RankPush
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import transport
 from megamu.engines.sglang.weight_sync import SyncReport, check_probe
@@ -30,6 +32,7 @@ class ColocatedSGLang(LifecycleBase):
         self.released: tuple[str, ...] = ()  # what they have given back now
         self.report = None  # (stage, SyncReport) of the last push, logged once its probe is checked
         self.pending = None  # the probe of a push into servers that released their KV cache, checked by onload()
+        self.pusher: RankPush | None = None  # per-rank pushes (every_node), built at the first
         sglang = cfg.sglang
         self.memory_sync = sglang.weight_sync == "memory"
         # in-memory pushes as tensors over several nodes: each node pushes to its own servers; a broadcast (servers
@@ -61,28 +64,44 @@ class ColocatedSGLang(LifecycleBase):
             self._log_sync()
 
     def _push_per_node(self, weights: Weights, stage: int) -> None:
-        """Each node's local rank 0 pushes the tensors it gathered to its own servers; then rank 0 checks that every
-        server reports the new version (and the probe) and logs one sync for all. A failure on any node raises on
-        every rank, naming the node's rank, so none waits for the others."""
+        """Every rank pushes its own GPU's copy of the tensors to the server on its GPU (rank_push.py, slime's
+        colocated pattern); then rank 0 checks that every server reports the new version (and the probe) and logs one
+        sync for all. A failure on any rank raises on every rank, naming the rank, so none waits for the others."""
         if parallel.is_main_rank():
             self._weights_back()  # every node's servers take their weight memory back first
         parallel.wait_for_main_rank()
-        error, sent, seconds = "", 0, 0.0
-        if self.node is not None:
+        if self.pusher is None:  # collective, once: the servers keep their URLs for the engine's life
+            self.pusher = RankPush(self.node.pool.control_urls if self.node else None,
+                                   self.node.pool.api_key if self.node else None, self.cfg.sglang,
+                                   parallel.ranks_per_node())
+        tensors = weights.tensors or {}
+        refused = ""
+        if self.node is not None:  # weights that do not fit are refused before any rank sends a byte
             try:
-                r = self.node.update_weights(state_dict=weights.tensors, version=weights.version)
-                sent, seconds = r.bytes, r.seconds
+                self.node.check_pushable(tensors)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+                refused = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+        refusals = [r for r in parallel.all_gather_object(refused, wait=True) if r]
+        if refusals:
+            raise SGLangError("the in-memory weight push was refused:\n" + "\n".join(refusals))
+        error, sent, seconds = "", 0, 0.0
+        t0 = time.perf_counter()
+        try:
+            sent = self.pusher.push(tensors, weights.version)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+        seconds = time.perf_counter() - t0
         pushed = parallel.all_gather_object((error, sent, seconds), wait=True)
         errors = [e for e, _, _ in pushed if e]
         if errors:
-            raise SGLangError("the in-memory weight push failed on some nodes:\n" + "\n".join(errors))
+            raise SGLangError("the in-memory weight push failed on some ranks:\n" + "\n".join(errors))
+        if self.node is not None:  # the engine owning this node's servers: their version, and a restart's copy
+            self.node.pushed_by_ranks(tensors, weights.version)
         if not parallel.is_main_rank():
             return
         probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
         confirmed = self.engine.adopt_weights(weights.version, probe)
-        self.report = (stage, SyncReport("memory (tensor, per node)", max(s for _, _, s in pushed) + confirmed.seconds,
+        self.report = (stage, SyncReport("memory (tensor, per rank)", max(s for _, _, s in pushed) + confirmed.seconds,
                                          confirmed.version, sum(b for _, b, _ in pushed),
                                          confirmed.probe_mean_abs_diff))
         if self.pending is None:
@@ -111,8 +130,11 @@ class ColocatedSGLang(LifecycleBase):
             self._launch()
             if not self.cfg.sglang.urls:
                 self.launch_stage = stage
-        elif self.node is not None:
-            self.node.watching(True)
+        else:
+            for engine in {id(e): e for e in (self.engine, self.node) if e is not None}.values():
+                engine.resume_probes()
+            if self.node is not None:
+                self.node.watching(True)
 
     def offload(self) -> None:
         """D_k is written: the servers stay up for the next push, their memory given back when they share the GPUs."""
@@ -120,7 +142,10 @@ class ColocatedSGLang(LifecycleBase):
             parallel.wait_for_main_rank()
             if self.node is not None:
                 self.node.watching(False)  # pushes come next: a server busy loading one may miss its probes
+                self.node.pause_probes()  # and none in flight when rank 0 releases their memory
+            parallel.wait_for_main_rank()
         if self.saves_memory and self.engine is not None and not self.released:
+            self.engine.pause_probes()  # SGLang asserts an idle server on release; a probe is a request
             memory.release(self.engine.pool, memory.ALL)
             self.released = memory.ALL
         self.warm = True
@@ -137,4 +162,7 @@ class ColocatedSGLang(LifecycleBase):
     def stop(self) -> None:
         if self.spread:  # every node's servers serve rank 0's final evaluation
             parallel.wait_for_main_rank()
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         self._shutdown()

@@ -134,6 +134,8 @@ class Supervisor:
         self.t_begin = time.monotonic()
         self._restarter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-restart")
         self._launch_lock, self._closing = threading.Lock(), False  # no restart launches once the engine stops
+        self.paused = False  # no probe starts (``pause_probes``)
+        self._probing: asyncio.Future | None = None  # the round of probes in flight
         self._watcher = transport.submit(self._watch())
 
     def begin_stage(self) -> None:
@@ -204,13 +206,29 @@ class Supervisor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.probe_period_s)
-            if self.fatal is None and (self.dispatcher.busy or self.keeper):
-                outcomes = await asyncio.gather(*(self._probe(i) if s.alive else self._rejoin(i)
-                                                  for i, s in enumerate(self.servers) if not s.restarting),
-                                                return_exceptions=True)
+            if self.fatal is None and not self.paused and (self.dispatcher.busy or self.keeper):
+                self._probing = asyncio.gather(*(self._probe(i) if s.alive else self._rejoin(i)
+                                                 for i, s in enumerate(self.servers) if not s.restarting),
+                                               return_exceptions=True)
+                outcomes = await self._probing
                 for e in outcomes:  # a bug in a probe must not end the watching unnoticed
                     if isinstance(e, Exception):
                         print(f"[sglang] health probe failed: {type(e).__name__}: {e}", flush=True)
+
+    def pause_probes(self, timeout_s: float) -> None:
+        """No probe starts from now on, and the round in flight is waited out (from a thread other than the loop's):
+        SGLang's /release_memory_occupation asserts an idle server (weight_updater.py), and /health_generate enqueues
+        a real one-token request (http_server.py), so a late probe could trip the assert."""
+        self.paused = True
+
+        async def drained() -> None:
+            if self._probing is not None:
+                await asyncio.wait([self._probing])
+
+        self.transport.submit(drained()).result(timeout=timeout_s)
+
+    def resume_probes(self) -> None:
+        self.paused = False
 
     async def _rejoin(self, i: int) -> None:
         """A dead server megamu did not start here (another node's, restarted by its own node) takes requests again

@@ -120,7 +120,15 @@ def send_tensors(pool: ServerPool, state_dict: dict[str, torch.Tensor], version:
                 if isinstance(out, dict) and out.get("success") is False:
                     raise RuntimeError(f"{url}/update_weights_from_tensor failed: {out.get('message')}")
             del payloads
+            ipc_collect()  # the blocks whose handles the servers closed (see rank_push.py)
             sent += sum(t.numel() * t.element_size() for _, t in named)
     finally:
         pool.post_all("/end_weight_update", {}, "end weight update", urls)
+    ipc_collect()
     return sent
+
+
+def ipc_collect() -> None:
+    from megamu import parallel
+
+    parallel.device().ipc_collect()

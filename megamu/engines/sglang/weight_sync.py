@@ -295,10 +295,7 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
         engine.layout, sent, mode = new, 0, "disk"
         engine.sync.restore_tensors = None
     else:
-        if running is None:
-            raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
-        new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
-        check_layout(new, running, engine.server_dtype, "in-memory weights")
+        check_pushable(engine, state_dict)
         try:
             sent, mode = push_tensors(engine.pool, engine.sync, state_dict, version)
         except BaseException:
@@ -306,11 +303,26 @@ def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None
             # reports, so every sample generated before a successful sync is refused.
             engine.weight_version = f"{version} (incomplete sync)"
             raise
-        # a restarted server loads its launch folder, then these (health.py); none kept when none is restarted
-        sync = engine.sync
-        sync.restore_tensors = host_copy(state_dict, sync.restore_tensors) if engine.config.max_restarts else None
+        keep_for_restarts(engine, state_dict)
     report = confirm_weights(engine, version, probe, folder=hf_dir)
     return SyncReport(mode, time.monotonic() - t0, version, sent, report.probe_mean_abs_diff)
+
+
+def check_pushable(engine, state_dict: dict) -> None:
+    """Refuse, before anything is sent, in-memory weights that do not fit the running model."""
+    running = engine.layout
+    if running is None:
+        raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
+    new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
+    check_layout(new, running, engine.server_dtype, "in-memory weights")
+
+
+def keep_for_restarts(engine, state_dict: dict) -> None:
+    """A restarted server loads its launch folder, then these (health.py): a host copy of the last in-memory push,
+    none when no server is restarted. Also for pushes the trainer's ranks made themselves (rank_push.py), kept by
+    the engine owning the node's servers."""
+    sync = engine.sync
+    sync.restore_tensors = host_copy(state_dict, sync.restore_tensors) if engine.config.max_restarts else None
 
 
 def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) -> SyncReport:

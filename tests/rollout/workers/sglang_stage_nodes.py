@@ -61,7 +61,7 @@ def colocated(stages: EngineLifecycle, model_dir: str, model_dir_2: str, record:
     stages.offload()  # the servers stay up
     want = stages.wants()
     assert want.folder == (sync == "disk") and want.every_node == (sync == "tensor"), want
-    holds = parallel.is_node_main() if want.every_node else dist.get_rank() == 0  # as Policy.engine_weights
+    holds = want.every_node or dist.get_rank() == 0  # as Policy.engine_weights: every rank pushes its own copy
     tensors = ({k: v.clone() for k, v in LocalEngine(model_dir_2).model.state_dict().items()}
                if want.tensors and holds else None)
     stages.update_weights(Weights(version=1, hf_dir=Path(model_dir_2) if want.folder else None, tensors=tensors), 1)

@@ -1,0 +1,193 @@
+"""The memory plan's checkpoint phase (per GPU) and its host-memory plan (per node). Pure arithmetic, like
+``megamu.memory_plan``, which calls ``checkpoint_rows`` and ``plan_host``.
+
+Checkpoint (per GPU): a save runs after an update with the trainer's state resident (and, colocated, the servers'
+memory released as in training). megamu's GPU optimiser assembles each parameter's full (TP-local) optimiser state on
+the host through one reused device buffer of ``SAVE_CHUNK_ELEMENTS`` fp32 values
+(``megamu.training.optimizer_shards``); megatron's torch_dist writer stages device tensors to host
+(``dist_checkpointing/strategies/filesystem_async.py`` ``preload_tensors``): no second copy on the GPU.
+
+Host (per node, bytes; r = trainer ranks on the node, s = server processes on the node):
+- Pinned memory comes from torch's ``CachingHostAllocator``, which rounds each allocation up to a power of two
+  (``ATen/core/CachingHostAllocator.h``: ``PowerOf2Ceil`` below ``pinned_max_round_threshold``, unbounded by default,
+  ``c10/core/AllocatorConfig.h``) and keeps freed blocks cached. Pageable memory is counted as it is.
+- The offload mirror (``megamu.training.host_mirror``, pinned, kept between refreshes): fp32 main params (bf16)
+  and the two Adam moments of this rank's DistributedOptimizer share, packed into power-of-two slabs so that the
+  rounding costs at most a slab (``mirror_slab_bytes``).
+- megatron's param buffer copy (``_ParamAndGradBuffer.offload_to_cpu``: ``param_data.cpu().pin_memory()``, kept in
+  ``param_data_cpu``): one pinned flat buffer per buffer (dense, experts), each rounded.
+- Checkpoint save: the optimiser state assembled on the host (pageable, freed after the write) and megatron's
+  staging of the model's tensors (pinned; emptied from torch's cache after the save, ``Device.release_host_cache``).
+- Servers (SGLang), reward workers and the trainer processes themselves: estimates per process (below), not
+  measured here.
+Phases that never overlap share the memory: a staged run's servers exit before the trainer updates (and saves), so
+the node needs the larger of the two, not their sum; colocated servers stay up through the save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megamu.errors import ConfigError
+
+GIB = 2**30
+SAVE_CHUNK_ELEMENTS = 2**25  # fp32 values of the save's one device buffer: 128 MiB
+# Host memory of one process beyond the buffers counted here (Python, torch, CUDA runtime, NCCL host buffers,
+# tokenizers). Estimates, not measured on a GPU node: the GPU twin is where to refine them.
+TRAINER_PROCESS_HOST_GIB = 6.0
+SERVER_PROCESS_HOST_GIB = 8.0  # SGLang: tokenizer manager, scheduler, detokenizer of one server rank
+REWARD_WORKER_HOST_GIB = 0.5
+
+
+SLAB_BYTES = 2**30  # the offload mirror's slab (megamu.training.host_mirror): a power of two, nothing rounded off
+SLAB_ALIGN = 512  # bytes: every buffer in a slab starts at a multiple (any dtype's view of the slab is aligned)
+
+
+def pack_slabs(sizes: list[int], slab_bytes: int = SLAB_BYTES) -> tuple[int, list[tuple[int, int]]]:
+    """(slab size, [(slab index, byte offset)] per size): first-fit decreasing into slabs of
+    max(slab_bytes, the largest size rounded up to a power of two), each buffer aligned to ``SLAB_ALIGN``."""
+    slab = max(slab_bytes, pow2_ceil(max(sizes, default=0)))
+    used: list[int] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        need = -(-sizes[k] // SLAB_ALIGN) * SLAB_ALIGN
+        i = next((i for i, u in enumerate(used) if u + need <= slab), len(used))
+        if i == len(used):
+            used.append(0)
+        places[k] = (i, used[i])
+        used[i] += need
+    return slab, places
+
+
+def pow2_ceil(n: int) -> int:
+    """``c10::llvm::PowerOf2Ceil``: the smallest power of two >= n (0 stays 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class HostRow:
+    phase: str  # "every phase" or the phase it belongs to
+    part: str
+    bytes: int
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+class HostPlan:
+    """Rows per node; the total is what every phase holds plus the largest phase."""
+
+    ALWAYS = "every phase"
+
+    def __init__(self, rows: list[HostRow], host_memory_gib: float, ranks_per_node: int):
+        self._rows, self.host_memory_gib, self.ranks_per_node = rows, host_memory_gib, ranks_per_node
+
+    def rows(self) -> list[HostRow]:
+        return list(self._rows)
+
+    def phase_total(self, phase: str) -> int:
+        return sum(r.bytes for r in self._rows if r.phase == phase)
+
+    def peak(self) -> tuple[str | None, int]:
+        """(the largest phase besides ``ALWAYS``, its bytes)."""
+        phases = [p for p in dict.fromkeys(r.phase for r in self._rows) if p != self.ALWAYS]
+        best = max(phases, key=self.phase_total, default=None)
+        return best, 0 if best is None else self.phase_total(best)
+
+    def total(self) -> int:
+        return self.phase_total(self.ALWAYS) + self.peak()[1]
+
+    def table(self, width: int) -> str:
+        lines = [f"host (GiB per node of {self.ranks_per_node} trainer ranks; RAM {self.host_memory_gib:.0f} GiB)"]
+        for phase in dict.fromkeys(r.phase for r in self._rows):
+            lines.append(f"  {phase}" + ("" if phase == self.ALWAYS else " (phases that never overlap: the largest "
+                                                                          "counts)"))
+            lines += [f"{'    ' + r.part:<{width}}{r.gib:8.2f}" for r in self._rows if r.phase == phase]
+        total, ram = self.total() / GIB, self.host_memory_gib
+        verdict = "fits" if total <= ram else f"OVER by {total - ram:.2f}"
+        lines.append(f"{'  total (every phase + ' + str(self.peak()[0]) + ')':<{width}}{total:8.2f}  / {ram:.0f}  "
+                     f"{verdict}")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        need = self.total() / GIB
+        if need <= self.host_memory_gib:
+            return
+        always = {r.part: r.gib for r in self._rows if r.phase == self.ALWAYS}
+        biggest = max(always, key=always.get)
+        raise ConfigError("host_memory_gib", (
+            f"the node's host memory plan needs {need:.0f} GiB of {self.host_memory_gib:.0f} GiB (largest: "
+            f"'{biggest}', {always[biggest]:.0f} GiB; phase '{self.peak()[0]}', {self.peak()[1] / GIB:.0f} GiB). "
+            "Pass --no-save-optim to save checkpoints without the optimiser state (its host copy is the save's "
+            "largest part; a resume then restarts Adam), fewer ranks per node, or --host-memory-gib if the node "
+            "has more RAM than was read"))
+
+
+def param_tensor_numels(m, tp: int, ep: int) -> tuple[list[int], list[int]]:
+    """(dense, expert) parameter tensors on one trainer rank, as numels: what megatron's optimiser keeps one main
+    param and two moments for. ``m``: a ``megamu.model_shape.ModelShape``; the vocab as megatron pads it."""
+    from megamu.model_shape import padded_vocab
+
+    h, f, q, kv, d = m.hidden_size, m.ffn_hidden_size, m.q_width, m.kv_width, m.head_dim
+    layer = [h * (q + kv) // tp, q * h // tp, h, h]  # qkv, output projection, the two norms
+    layer += [(q + kv) // tp] if m.qkv_bias else []
+    layer += [d, d] if m.qk_norm else []
+    layer += [m.num_experts * h] if m.num_experts else [2 * f * h // tp, f * h // tp]  # router, or the dense MLP
+    vocab = padded_vocab(m.vocab_size, tp) // tp * h
+    dense = layer * m.num_layers + [vocab] * (1 if m.tie_embeddings else 2) + [h]
+    fe = m.moe_ffn_hidden_size
+    experts = [2 * fe * h // tp, fe * h // tp] * (m.num_layers * m.num_experts // ep) if m.num_experts else []
+    return dense, experts
+
+
+def checkpoint_rows(phase: str, resident: list, chunk_bytes: int = SAVE_CHUNK_ELEMENTS * 4) -> list:
+    """The ``checkpoint`` phase per GPU: ``resident`` (Rows of what the GPU holds after an update, in table order)
+    renamed to the phase, plus the save's one assembly buffer."""
+    from megamu.memory_plan import Row
+
+    return [Row(phase, r.part, r.bytes, r.counted) for r in resident] + [
+        Row(phase, "optimiser state streamed to host (one fp32 buffer, optimizer_shards)", chunk_bytes)]
+
+
+def mirror_slab_bytes(state_bytes: int, largest_tensor_bytes: int) -> int:
+    """The offload mirror's slabs for ``state_bytes`` of tensors: whole slabs (``pack_slabs``' size) for the bytes,
+    plus one for what first-fit leaves at the end of the others (an estimate: which tensors a DP rank holds, and so
+    the packing, is megatron's bucket layout, not modelled)."""
+    slab = max(SLAB_BYTES, pow2_ceil(largest_tensor_bytes))
+    return (-(-state_bytes // slab) + 1) * slab if state_bytes else 0
+
+
+def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
+    """The per-node host plan of ``c`` (a ``MemoryPlanConfig``; its ``host_memory_gib`` must be set).
+    ``n_dense`` / ``n_expert``: one rank's parameter counts; ``mirrored``: the bytes of its optimiser tensors that
+    an offload moves (fp32 main params and Adam moments)."""
+    from megamu.memory_plan import DTYPE_BYTES
+
+    r = c.ranks_per_node
+    e = DTYPE_BYTES[c.params_dtype]
+    dense, experts = param_tensor_numels(c.model, c.tp, c.ep)
+    A = HostPlan.ALWAYS
+    rows = [HostRow(A, f"trainer processes ({r} x {TRAINER_PROCESS_HOST_GIB:g} GiB, estimate)",
+                    int(r * TRAINER_PROCESS_HOST_GIB * GIB))]
+    if c.offload_train:
+        slabs = mirror_slab_bytes(mirrored, 4 * max(dense + experts))
+        rows.append(HostRow(A, f"offload mirror, pinned slabs (main params, Adam moments; {r} ranks)", r * slabs))
+        buffers = pow2_ceil(n_dense * e) + pow2_ceil(n_expert * e)
+        rows.append(HostRow(A, f"megatron's pinned param buffers, 2^k rounded ({r} ranks)", r * buffers))
+    if c.reward_workers:
+        rows.append(HostRow(A, f"reward workers ({c.reward_workers} x {REWARD_WORKER_HOST_GIB:g} GiB, estimate)",
+                            int(c.reward_workers * REWARD_WORKER_HOST_GIB * GIB)))
+    servers = c.servers_per_gpu * r if c.rollout_mode != "async" else 0
+    if servers:  # a staged run's servers exit before the trainer updates and saves; colocated ones stay up
+        rows.append(HostRow("rollout (servers up)" if c.rollout_mode == "staged" else A,
+                            f"SGLang servers ({servers} x {SERVER_PROCESS_HOST_GIB:g} GiB, estimate)",
+                            int(servers * SERVER_PROCESS_HOST_GIB * GIB)))
+    if c.save_optimizer:
+        keys = 3 if c.params_dtype != "fp32" else 2  # main params (bf16 only) and the two moments
+        rows.append(HostRow("checkpoint save", f"optimiser state on the host (fp32 x {keys}, pageable; {r} ranks)",
+                            r * (n_dense + n_expert) * 4 * keys))
+    staged = sum(pow2_ceil(n * e) for n in dense + experts)
+    rows.append(HostRow("checkpoint save", f"megatron's pinned staging of the model, 2^k rounded ({r} ranks)",
+                        r * staged))
+    return HostPlan(rows, c.host_memory_gib, r)

@@ -35,19 +35,17 @@ from dataclasses import dataclass
 
 from megamu.config_fields import flag
 from megamu.errors import ConfigError
-from megamu.memory_plan_phases import checkpoint_rows, plan_host
+from megamu.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
 from megamu.model_shape import ModelShape, padded_vocab, require_positive
 
 __all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
 
-GIB = 2**30
 # CUDA context + NCCL communicators of one process on one GPU. the project's GPU-path notes ("Memory of the paper's
 # 7B run") puts it at ~2 GiB per trainer rank; SGLang processes are given the same (their NCCL groups, cuBLAS
 # workspaces). Not measured here: the GPU twin is where to refine it.
 CUDA_CONTEXT_GIB = 2.0
 H200_GIB = 141.0  # the issue's default for --gpu-memory-gib (nvidia-smi reports 143771 MiB = 140.4 GiB)
 
-DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 RECOMPUTE = (None, "selective", "full")
 _RECOMPUTE_LABEL = {None: "no recompute", "selective": "selective recompute", "full": "full recompute"}
 MODES = ("staged", "colocated", "async")
@@ -168,18 +166,6 @@ class MemoryPlanConfig:
     def scored_tokens(self) -> int:
         """Scored (response) positions of the largest micro-batch: within its rows' responses and its tokens."""
         return min(self.micro_batch_size * self.scored_len, self.micro_batch_tokens)
-
-
-@dataclass(frozen=True)
-class Row:
-    phase: str
-    part: str
-    bytes: int
-    counted: bool = True  # False: shown for comparison (another recompute setting, SGLang's free share), not summed
-
-    @property
-    def gib(self) -> float:
-        return self.bytes / GIB
 
 
 def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:

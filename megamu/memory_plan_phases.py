@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from megamu.errors import ConfigError
 
 GIB = 2**30
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 SAVE_CHUNK_ELEMENTS = 2**25  # fp32 values of the save's one device buffer: 128 MiB
 # Host memory of one process beyond the buffers counted here (Python, torch, CUDA runtime, NCCL host buffers,
 # tokenizers). Estimates, not measured on a GPU node: the GPU twin is where to refine them.
@@ -62,6 +63,18 @@ def pack_slabs(sizes: list[int], slab_bytes: int = SLAB_BYTES) -> tuple[int, lis
 def pow2_ceil(n: int) -> int:
     """``c10::llvm::PowerOf2Ceil``: the smallest power of two >= n (0 stays 0)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: str
+    part: str
+    bytes: int
+    counted: bool = True  # False: shown for comparison (another recompute setting, SGLang's free share), not summed
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,6 @@ def param_tensor_numels(m, tp: int, ep: int) -> tuple[list[int], list[int]]:
 def checkpoint_rows(phase: str, resident: list, chunk_bytes: int = SAVE_CHUNK_ELEMENTS * 4) -> list:
     """The ``checkpoint`` phase per GPU: ``resident`` (Rows of what the GPU holds after an update, in table order)
     renamed to the phase, plus the save's one assembly buffer."""
-    from megamu.memory_plan import Row
 
     return [Row(phase, r.part, r.bytes, r.counted) for r in resident] + [
         Row(phase, "optimiser state streamed to host (one fp32 buffer, optimizer_shards)", chunk_bytes)]
@@ -162,7 +174,6 @@ def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
     """The per-node host plan of ``c`` (a ``MemoryPlanConfig``; its ``host_memory_gib`` must be set).
     ``n_dense`` / ``n_expert``: one rank's parameter counts; ``mirrored``: the bytes of its optimiser tensors that
     an offload moves (fp32 main params and Adam moments)."""
-    from megamu.memory_plan import DTYPE_BYTES
 
     r = c.ranks_per_node
     e = DTYPE_BYTES[c.params_dtype]

@@ -221,8 +221,10 @@ def round_two(runs: list, lab: dict, fig_dir, rel: str) -> list[str]:
                              f"at 3e-5: {_f(kl0)})")
         out += [f"- **{a.name}** ({', '.join(f'{m} x{len(v)}' for m, v in sorted(rs.items()))}):"]
         out += ["  " + x for x in lines]
-    out += ["", *veto_table(base, "round two baseline"), "", "### Time to accuracy (baseline arm, one sitting)", "",
-            *time_to_accuracy(arms["baseline"]), ""]
+    timed = [r for r in kept if r.s["config"].get("tag") == "timed"]
+    out += ["", *veto_table({**base, **by_method(arms["tau-by-veto-rate"])}, "round two, 2 x 8"), "",
+            "### Time to accuracy (the timed runs of one sitting: baseline and τ arms)", "", *time_to_accuracy(timed),
+            ""]
     for a in plan.ARMS:
         if arms[a.name] and figs.seed_mean_panels(by_method(arms[a.name]), fig_dir / f"r2_{a.name}.png",
                                                   f"round two, {a.name}"):

@@ -166,7 +166,8 @@ def write_report(a, runs: list) -> None:
         "(`--until HH:MM` stops starting runs at that UTC time; on two cores, start it in two shells: the second "
         "takes the next unclaimed key; commit `docs/fidelity-4stage*` after). "
         "While the registered lr rule has found no lr, `--plan` starts nothing: add `--lr X` (see the lr rule below). "
-        "`--report-only` regenerates this file.", "",
+        "`--report-only` regenerates this file. Round two (issue 42): `... bench/fidelity.py --round2` runs the "
+        "registered arms still missing, in order (`--until HH:MM` as above).", "",
         *reading_first(a), "## Set-up", "",
         f"- **Lab model** (`bench/lab/model.py`, spec `{a.lab['spec']}`): Llama-shaped, {spec['num_hidden_layers']} "
         f"layers, width {spec['hidden_size']}, MLP {spec['intermediate_size']}, {spec['num_attention_heads']} heads /"

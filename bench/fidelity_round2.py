@@ -107,6 +107,8 @@ def round_one_reading(runs: list, lr: float, mu: int, low_mu: int, updates: int,
             *[diff_line(f"(c) {m} minus mu-grpo (S_seq)", get(m, []), get("mu-grpo", [])) for m in plan.SCOPES],
             diff_line("(h) τ 1e-6 minus τ 1e-4", get("mu-grpo-tau1e-6", []), get("mu-grpo", []), PAPER["tau"]),
             diff_line("(h) τ 1e-2 minus τ 1e-4", get("mu-grpo-tau1e-2", []), get("mu-grpo", [])),
+            diff_line("μ-GRPO at τ 1e-2 minus grpo-high-staleness", get("mu-grpo-tau1e-2", []),
+                      get("grpo-high-staleness", []), PAPER["grpo-high-staleness - mu-grpo"]),
             *[diff_line(f"(g) {m}: one stage of {updates} minus 4 x {mu}", one.get(m, []), get(m, []),
                         PAPER["single"]) for m in plan.SINGLE_STAGE], ""]
     out += veto_table(g, "round one") + [""]
@@ -155,23 +157,23 @@ def time_to_accuracy(runs: list) -> list[str]:
         return ["Time to accuracy: pending (no timed grpo μ = 4 run yet)."]
     lines = ["| run | " + " | ".join(f"s to {f:.0%} of grpo's best" for f in FRACTIONS) + " | total train s |",
              "|" + "---|" * (len(FRACTIONS) + 2)]
-    ratios: dict[float, list[float]] = {f: [] for f in FRACTIONS}
+    ratios: dict[str, list[str]] = {}
     for r in sorted(runs, key=lambda r: (r.seed, r.method)):
         ref = grpo.get(r.seed)
         if ref is None:
             continue
         ts = [cv.time_to(r, f * ref.best) for f in FRACTIONS]
         lines.append(f"| `{r.s['key']}` | " + " | ".join(_f(t, ".0f") for t in ts) + f" | {r.s['train_s']:.0f} |")
-        if r.method == "mu-grpo":
-            for f, t in zip(FRACTIONS, ts):
-                t0 = cv.time_to(ref, f * ref.best)
-                if t is not None and t0:
-                    ratios[f].append(t / t0)
-    lines += ["", "Ratio μ-GRPO / GRPO μ = 4 (wall-clock to the same accuracy, same seed; < 1: μ-GRPO faster): "
-              + "; ".join(f"{f:.0%}: " + (", ".join(f"{x:.2f}" for x in v) if v else "not reached")
-                          for f, v in ratios.items())
+        if r.method.startswith("mu-grpo"):
+            t0s = [cv.time_to(ref, f * ref.best) for f in FRACTIONS]
+            ratios[f"{r.method} s{r.seed}"] = [
+                f"{f:.0%}: " + (f"{t / t0:.2f}" if t is not None and t0 else "not reached")
+                for f, t, t0 in zip(FRACTIONS, ts, t0s)] + [f"end to end: {r.s['train_s'] / ref.s['train_s']:.2f}"]
+    lines += ["", "Ratio to GRPO μ = 4's wall-clock, same seed (< 1: faster), to the same accuracy and end to end at "
+              "equal samples: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in ratios.items())
               + f". Paper: {PAPER['speed']}. These are CPU timings of a ~0.8 M-weight model with the local engine on "
-              "one core, not the paper's GPU timings: only the ratio's direction carries over, and not necessarily."]
+              "one core, each run sharing the machine with other work on the second core, not the paper's GPU "
+              "timings: only the direction of a ratio may carry over, and not necessarily."]
     return lines
 
 

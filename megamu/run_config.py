@@ -26,6 +26,7 @@ from megamu.plan import (  # noqa: F401  (the names run_config had)
     stage_counts,
 )
 from megamu.policy import PolicyConfig
+from megamu.reward.pool import default_num_workers
 from megamu.rollout import RolloutConfig
 from megamu.run_dir import RunDir
 from megamu.tracking import TrackerConfig
@@ -201,4 +202,4 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         host_memory_gib=host_memory_gib if host_memory_gib is not None
         else psutil.virtual_memory().total / 2**30 if read_host_memory else None,
         ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
-        reward_workers=run.rollout.reward.num_workers or max(1, min(4, os.cpu_count() or 1)))  # RewardScorer's
+        reward_workers=run.rollout.reward.num_workers or default_num_workers())

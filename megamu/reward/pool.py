@@ -117,6 +117,11 @@ def _close_workers(workers: list[_Worker]) -> None:
     workers.clear()
 
 
+def default_num_workers() -> int:
+    """Reward worker processes when --reward-workers is not given: one per core, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 class RewardScorer:
     """A pool of reward workers, created once and reused across batches; ``close()`` (or ``with``) ends them.
     ``fn_kwargs`` (JSON-serialisable) are bound to the reward function in every worker; ``options`` say how it is
@@ -153,7 +158,7 @@ class RewardScorer:
         json.dumps(self.fn_kwargs)  # must reach the workers on their command line
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self.num_workers = num_workers or max(1, min(4, os.cpu_count() or 1))
+        self.num_workers = num_workers or default_num_workers()
         self._workers = [self._new_worker() for _ in range(self.num_workers)]
         self.num_timeouts = 0
         self.num_crashes = 0

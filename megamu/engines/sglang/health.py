@@ -285,11 +285,12 @@ class Supervisor:
         moved = list(st.inflight)
         for task in moved:
             task.cancel()
-        if st.proc is None and moved:  # not ours to kill, and maybe only slow: it drops what it still runs
-            threading.Thread(target=self._abort, args=(st.url,), daemon=True).start()
         self.events.append({"event": "dead", "url": st.url, "why": why, "time": time.time(), "moved": len(moved)})
         print(f"[sglang] server {st.url} is dead: {why}; its {len(moved)} request(s) in flight go to the live "
               "servers", flush=True)
+        if st.proc is None and moved:  # not ours to kill, and maybe only slow: it drops what it still runs
+            # started after the "dead" event is recorded: a fast answer would otherwise log "aborted" before it
+            threading.Thread(target=self._abort, args=(st.url,), daemon=True).start()
         if self.fatal is not None:
             return
         if st.proc is not None and self.weights.weights_restorable() and st.restarts < self.cfg.max_restarts:

@@ -1,10 +1,9 @@
 """μ-GRPO's algorithm core: pure torch, no Megatron, no I/O. Equation numbers refer to arXiv 2605.17570."""
 
 from megamu.algo.advantages import ADVANTAGE_EPS, group_advantages
-from megamu.algo.config import AGGREGATIONS, AlgoConfig
+from megamu.algo.config import AGGREGATIONS, ALGORITHM_PRESETS, AlgoConfig
 from megamu.algo.kl import KL_TYPES, kl_estimate
 from megamu.algo.loss import aggregate, m2po_mask, policy_loss
-from megamu.algo.presets import ALGORITHM_PRESETS, algo_preset
 from megamu.algo.tail import REFERENCE_TAU, lower_tail_stats, neg_adv_log_ratios
 from megamu.algo.veto import VETO_SCOPES, veto_mask
 
@@ -17,7 +16,6 @@ __all__ = [
     "VETO_SCOPES",
     "AlgoConfig",
     "aggregate",
-    "algo_preset",
     "group_advantages",
     "kl_estimate",
     "lower_tail_stats",

@@ -1,18 +1,22 @@
-"""The update rule's settings (``AlgoConfig``): clipping range, veto, aggregation, M2PO mask, KL and entropy terms."""
+"""The update rule's settings (``AlgoConfig``): clipping range, veto, aggregation, M2PO mask, KL and entropy terms.
+Built by ``AlgoConfig.preset(name, **overrides)`` from the paper's presets (megamu.algo.presets)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 from megamu.algo.kl import KL_TYPES
+from megamu.algo.presets import PRESETS
 from megamu.algo.veto import VETO_SCOPES
 from megamu.errors import ConfigError
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AlgoConfig:
     """Everything ``policy_loss`` needs to know about the update rule (Eq. 2 and J_μ-GRPO of §4).
 
@@ -27,15 +31,18 @@ class AlgoConfig:
     DAPO's rollout-side parts (megamu.algo.dapo), applied where a stage's groups are scored: ``overlong_buffer``
     (tokens; None: off) and ``overlong_penalty_factor`` of the soft overlong punishment; ``dynamic_sampling``: groups
     whose rewards are all equal are dropped and the stage refilled with new prompts' groups, in at most
-    ``max_sampling_rounds`` generation rounds (verl's max_num_gen_batches)."""
+    ``max_sampling_rounds`` generation rounds (verl's max_num_gen_batches).
 
-    name: str
-    clip_low: float = 0.2
-    clip_high: float | None = 0.2
-    veto_threshold: float | None = None
-    veto_scope: str = "sequence"
-    aggregation: str = "seq-mean-token-mean"
-    m2po_threshold: float | None = None
+    ``name`` is one of the presets' and the rule's own settings have no defaults: ``AlgoConfig.preset`` is the way to
+    build one, so a config named for a method is that method (plus the overrides it states)."""
+
+    name: str = field(kw_only=False)
+    clip_low: float
+    clip_high: float | None
+    veto_threshold: float | None
+    veto_scope: str
+    aggregation: str
+    m2po_threshold: float | None
     use_kl_loss: bool = False
     kl_coef: float = 0.0
     kl_type: str = "k1"  # slime's default for --kl-loss-type
@@ -45,7 +52,16 @@ class AlgoConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 10
 
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> AlgoConfig:
+        """The preset ``name`` (megamu.algo.presets), with ``overrides`` (None included: e.g. clip_high=None) on top."""
+        if name not in PRESETS:
+            raise ConfigError("name", f"must be one of {sorted(PRESETS)}, got {name!r}")
+        return cls(name, **{**PRESETS[name], **overrides})
+
     def __post_init__(self) -> None:
+        if self.name not in PRESETS:
+            raise ConfigError("name", f"must be one of {sorted(PRESETS)}, got {self.name!r}")
         if not 0.0 <= self.clip_low <= 1.0:
             raise ConfigError("clip_low", f"must be in [0, 1] (ratio lower bound 1 - clip_low), got {self.clip_low}")
         if self.clip_high is not None and self.clip_high < 0:
@@ -84,5 +100,10 @@ class AlgoConfig:
         d.pop("name")
         return d
 
-    def with_overrides(self, **overrides) -> AlgoConfig:
+    def with_overrides(self, **overrides: Any) -> AlgoConfig:
+        """These settings with the ``overrides`` that are not None (a flag left out: the preset's value)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# Every preset built (read-only): what --algorithm NAME runs before any override.
+ALGORITHM_PRESETS: MappingProxyType[str, AlgoConfig] = MappingProxyType({n: AlgoConfig.preset(n) for n in PRESETS})

@@ -12,10 +12,10 @@ import math
 
 import torch
 
-from megamu.algo.presets import ALGORITHM_PRESETS
+from megamu.algo.presets import PRESETS
 
 # the τ the tail is read against when a method has no veto of its own: μ-GRPO's (App. B, 1e-4)
-REFERENCE_TAU: float = ALGORITHM_PRESETS["mu-grpo"].veto_threshold
+REFERENCE_TAU: float = PRESETS["mu-grpo"]["veto_threshold"]
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig, algo_preset
+from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
 from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
@@ -262,7 +262,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_megatron_arguments(args, plan.prompts_per_update)
     notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)
     dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
-    algo = _config(algo_preset(args.algorithm).with_overrides, at="algo",
+    algo = _config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
                    **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
     optimizer = _config(OptimizerConfig, at="policy.optimizer", **{
         **field_values(OptimizerConfig, args), "lr_decay_iters": args.lr_decay_iters or plan.total_updates})

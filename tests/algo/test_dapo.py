@@ -49,5 +49,5 @@ def test_dapo_preset_has_the_papers_settings_and_the_paper_presets_none():
                                        ({"max_sampling_rounds": 0}, "max_sampling_rounds")])
 def test_bad_dapo_settings_name_their_field(kw, field):
     with pytest.raises(ConfigError) as e:
-        AlgoConfig("t", **kw)
+        AlgoConfig.preset("grpo", **kw)
     assert e.value.field == field

@@ -80,7 +80,7 @@ def test_kl_and_entropy_terms_hand_computed_token_mean():
 
 
 def test_kl_term_seq_mean_token_mean():
-    algo = AlgoConfig("t", use_kl_loss=True, kl_coef=0.5, kl_type="k1")
+    algo = AlgoConfig.preset("grpo", use_kl_loss=True, kl_coef=0.5, kl_type="k1")
     per_seq = [(math.log(1.5) - LN2) / 2, LN2]  # k1 = log r, mean over each reply's tokens
     loss, stats, _, _ = loss_of(algo, REF)
     assert stats["kl_loss"] == pytest.approx(sum(per_seq) / 2, rel=1e-12)
@@ -105,12 +105,12 @@ def test_paper_presets_have_no_kl_and_no_entropy():
 
 def test_missing_inputs_and_bad_settings_are_named():
     with pytest.raises(ValueError, match="ref_logp"):
-        loss_of(AlgoConfig("t", use_kl_loss=True, kl_coef=0.1))
+        loss_of(AlgoConfig.preset("grpo", use_kl_loss=True, kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
-        loss_of(AlgoConfig("t", entropy_coef=0.1))
+        loss_of(AlgoConfig.preset("grpo", entropy_coef=0.1))
     for kw, field in (({"kl_coef": 0.1}, "kl_coef"), ({"kl_type": "k4"}, "kl_type"),
                       ({"use_kl_loss": True, "kl_coef": -1.0}, "kl_coef"),
                       ({"entropy_coef": math.nan}, "entropy_coef")):
         with pytest.raises(ConfigError) as e:
-            AlgoConfig("t", **kw)
+            AlgoConfig.preset("grpo", **kw)
         assert e.value.field == field

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamu.algo import ALGORITHM_PRESETS, AlgoConfig, algo_preset, m2po_mask, policy_loss
+from megamu.algo import ALGORITHM_PRESETS, AlgoConfig, m2po_mask, policy_loss
 from megamu.errors import ConfigError
 
 # Two responses: A = +1 with ρ = (1.5, 0.9); A = -1 with ρ = (0.5, 1.1) only its first token a response token.
@@ -16,7 +16,7 @@ MASK = torch.tensor([[True, True], [True, False]])
 
 def run(log_ratio=LOG_RATIO, adv=ADV, mask=MASK, algo: AlgoConfig | None = None, **kw):
     logp = log_ratio.clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, mask, algo or AlgoConfig("test", **kw))
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), adv, mask, algo or AlgoConfig.preset("grpo", **kw))
     loss.backward()
     return loss.item(), stats, logp.grad
 
@@ -42,7 +42,7 @@ def test_grpo_hand_values(aggregation, expected):
 
 
 def test_mu_grpo_hand_values():
-    loss, stats, _ = run(algo=algo_preset("mu-grpo"))
+    loss, stats, _ = run(algo=AlgoConfig.preset("mu-grpo"))
     # range [0, 5]: nothing clipped; seq0 −(1.5 + 0.9)/2, seq1 +0.5
     assert loss == pytest.approx((-1.2 + 0.5) / 2, abs=1e-6)
     assert stats["clip_fraction"] == 0.0 and stats["veto_token_fraction"] == 0.0
@@ -50,7 +50,7 @@ def test_mu_grpo_hand_values():
 
 def test_section_3_2_gradient_of_negative_advantage_tokens():
     # Under clip [0, 5], an A<0 token with ρ in range has ∂loss/∂logπ = |A|·ρ (one token, so aggregation weight 1).
-    cfg = algo_preset("grpo-relaxed")
+    cfg = AlgoConfig.preset("grpo-relaxed")
     for rho in (1e-3, 0.3, 1.0, 2.5, 4.9):
         _, _, g = run(torch.tensor([[math.log(rho)]]), torch.tensor([-0.7]), torch.tensor([[True]]), algo=cfg)
         assert g.item() == pytest.approx(0.7 * rho, rel=1e-5)
@@ -70,14 +70,14 @@ def test_veto_zeroes_terms_but_keeps_denominators():
     lr = torch.tensor([[0.0, math.log(1e-5), 0.0], [math.log(2.0), 0.0, 0.0]])
     adv = torch.tensor([-1.0, 1.0])
     mask = torch.ones(2, 3, dtype=torch.bool)
-    loss, stats, g = run(lr, adv, mask, algo=algo_preset("mu-grpo"))
+    loss, stats, g = run(lr, adv, mask, algo=AlgoConfig.preset("mu-grpo"))
     assert torch.equal(g[0], torch.zeros(3))  # the whole A<0 response is vetoed (sequence scope)
     # seq1: −(2 + 1 + 1)/3, seq0 contributes 0, mean over both sequences
     assert loss == pytest.approx(-(4.0 / 3) / 2, rel=1e-6)
     assert stats["veto_token_fraction"] == pytest.approx(0.5)
     assert stats["veto_sequence_fraction"] == pytest.approx(0.5)
     # trigger scope only drops the trigger token
-    _, stats, g = run(lr, adv, mask, algo=algo_preset("mu-grpo").with_overrides(veto_scope="trigger"))
+    _, stats, g = run(lr, adv, mask, algo=AlgoConfig.preset("mu-grpo").with_overrides(veto_scope="trigger"))
     assert g[0, 1] == 0.0 and g[0, 0] != 0.0 and g[0, 2] != 0.0
     assert stats["veto_token_fraction"] == pytest.approx(1 / 6)
 
@@ -87,7 +87,7 @@ def test_m2po_mask_hand_example():
     lr = torch.tensor([[0.1, 0.2, 0.5, 0.0]])
     kept = m2po_mask(lr, torch.ones(1, 4, dtype=torch.bool), 0.04)
     assert kept.tolist() == [[True, True, False, True]]
-    _, stats, g = run(lr, torch.tensor([1.0]), torch.ones(1, 4, dtype=torch.bool), algo=algo_preset("m2po"))
+    _, stats, g = run(lr, torch.tensor([1.0]), torch.ones(1, 4, dtype=torch.bool), algo=AlgoConfig.preset("m2po"))
     assert stats["m2po_mask_fraction"] == pytest.approx(0.25)
     assert g[0, 2] == 0.0 and g[0, 0] != 0.0
     # already inside the trust region: nothing masked
@@ -97,12 +97,12 @@ def test_m2po_mask_hand_example():
 def test_bad_config_names_the_field_not_a_flag():
     # The algorithm package knows no command line: errors name the config field (arguments.py maps it to a flag).
     with pytest.raises(ConfigError, match="veto_scope") as err:
-        AlgoConfig("x", veto_scope="prefix")
+        AlgoConfig.preset("grpo", veto_scope="prefix")
     assert err.value.field == "veto_scope" and "--" not in str(err.value)
     with pytest.raises(ConfigError, match="name"):
-        algo_preset("ppo")
+        AlgoConfig.preset("ppo")
     with pytest.raises(ConfigError, match="aggregation"):
-        AlgoConfig("x", aggregation="sum")
+        AlgoConfig.preset("grpo", aggregation="sum")
 
 
 @st.composite
@@ -122,7 +122,7 @@ def test_on_policy_gradient_is_reinforce(batch, preset):
     # ρ ≡ 1: ∂loss/∂logπ_{i,t} = −A_i / (|B| T_i) for seq-mean-token-mean, −A_i / Σ_i T_i for token-mean (DAPO's):
     # the REINFORCE gradient with group advantages.
     _, adv, mask = batch
-    algo = algo_preset(preset)
+    algo = AlgoConfig.preset(preset)
     _, _, g = run(torch.zeros(mask.shape), adv, mask, algo=algo)
     per_token = mask.sum() if algo.aggregation == "token-mean" else mask.shape[0] * mask.sum(1, keepdim=True)
     expected = -adv.view(-1, 1) / per_token * mask
@@ -137,7 +137,7 @@ def test_on_policy_gradient_is_reinforce(batch, preset):
 )
 def test_finite_for_extreme_log_ratios(batch, preset, aggregation):
     lr, adv, mask = batch
-    cfg = algo_preset(preset).with_overrides(aggregation=aggregation)
+    cfg = AlgoConfig.preset(preset).with_overrides(aggregation=aggregation)
     loss, stats, g = run(lr, adv, mask, algo=cfg)
     assert math.isfinite(loss) and torch.isfinite(g).all()
     assert all(math.isfinite(v) for k, v in stats.items() if k != "ratio_neg_adv_mean")

@@ -61,7 +61,7 @@ def main(spec: dict) -> dict:
                       float(rewards[0, j]), float(adv[j]), "length")
         for j in range(b)
     ]
-    algo = AlgoConfig("grpo")
+    algo = AlgoConfig.preset("grpo")
     # a first step warms up whatever is allocated once (gloo buffers, lazy module state, .grad tensors' first use)
     train_step(model, opt, samples, algo, micro_batch_size=b)
     opt.zero_grad()

@@ -57,7 +57,7 @@ def test_training_phase_matches_cuda_allocator(distributed, granularity):
     model = build_model(arch, device=CUDA, transformer_impl=impl, bf16=True, recompute_granularity=granularity)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-6), CUDA)
     samples = _samples(arch.vocab_size, s["micro_batch"], s["prompt_len"], s["response_len"])
-    algo = AlgoConfig("grpo")
+    algo = AlgoConfig.preset("grpo")
     train_step(model, opt, samples, algo, micro_batch_size=s["micro_batch"])  # the first step allocates Adam moments
     torch.cuda.synchronize()
     state = torch.cuda.memory_allocated() - before

@@ -74,7 +74,7 @@ def test_micro_batches_reproduce_minibatch_gradient(tiny64, batch64, aggregation
     model, arch, _ = tiny64
     samples, _ = batch64
     rtol = fp64_model_rtol(arch)
-    algo = AlgoConfig("test", clip_low=0.2, clip_high=0.2, veto_threshold=1e-4, aggregation=aggregation)
+    algo = AlgoConfig.preset("grpo", veto_threshold=1e-4, aggregation=aggregation)
     model.zero_grad(set_to_none=True)
     ref_loss, ref_stats = reference_loss(model, samples, algo)
     ref_loss.backward()

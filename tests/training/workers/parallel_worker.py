@@ -74,7 +74,7 @@ def main(hf_dir: str, ckpt_dir: str) -> None:
     set_behaviour(samples, lp, noise=0.4)
     add_triggers(samples, lp, n_veto=2, n_clip=2)
     for aggregation in AGGREGATIONS:
-        algo = AlgoConfig("t", clip_low=0.2, clip_high=0.2, veto_threshold=1e-4, aggregation=aggregation)
+        algo = AlgoConfig.preset("grpo", veto_threshold=1e-4, aggregation=aggregation)
         model.zero_grad(set_to_none=True)
         ref_loss, ref_stats = reference_loss(model, samples, algo)
         ref_loss.backward()

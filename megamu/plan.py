@@ -19,8 +19,9 @@ STAGED_MODES = ("staged", "colocated")
 def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, mu: int | None,
                  num_stages: int | None, train_iters: int | None) -> tuple[int, int, int]:
     """(num_stages, B_mini, μ) from any two of B_train, B_mini, μ (B_train = μ · B_mini) and at most one of
-    num_stages, train_iters (= num_stages · μ). None of them given: the CPU demo's 64 prompts per stage, 4 per update,
-    2 stages."""
+    num_stages, train_iters (= num_stages · μ). What is not given is StagedPlan's default (the CPU demo's: 4 prompts
+    per update, μ = 16, 2 stages), so the flags and a plan built in code agree."""
+    demo = StagedPlan()
     b_train, b_mini = prompts_per_stage, prompts_per_update
     for name, v in (("prompts_per_stage", b_train), ("prompts_per_update", b_mini), ("mu", mu),
                     ("num_stages", num_stages), ("train_iters", train_iters)):
@@ -28,11 +29,11 @@ def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, 
             raise ConfigError(name, f"must be a positive integer, got {v}")
     given = sum(v is not None for v in (b_train, b_mini, mu))
     if given == 0:
-        b_train, b_mini = 64, 4
+        b_mini, mu = demo.prompts_per_update, demo.mu
     elif given == 1 and b_mini is None:
-        b_mini = 4 if b_train is None else min(4, b_train)
+        b_mini = demo.prompts_per_update if b_train is None else min(demo.prompts_per_update, b_train)
     elif given == 1:
-        mu = 16
+        mu = demo.mu
     if b_train is None:
         b_train = mu * b_mini
     elif b_mini is None:
@@ -50,17 +51,19 @@ def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, 
         if num_stages not in (None, train_iters // mu):
             raise ConfigError("train_iters", f"{train_iters} contradicts {num_stages} stages x μ = {mu}")
         num_stages = train_iters // mu
-    return (2 if num_stages is None else num_stages), b_mini, mu
+    return (demo.num_stages if num_stages is None else num_stages), b_mini, mu
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanBase:
-    """What every plan has: B_mini prompts per update, G samples per prompt, the response bound, the algorithm."""
+    """What every plan has: B_mini prompts per update, G samples per prompt, the response bound, the algorithm.
+    G and the response bound are the run's, stored here only (RunConfig passes them to the rollout and the prompts);
+    ``algorithm`` is the name of the run's AlgoConfig, filled in by RunConfig.derive (the plan's summary prints it)."""
 
-    prompts_per_update: int  # B_mini
-    n_samples_per_prompt: int  # G
-    max_response_len: int
-    algorithm: str
+    prompts_per_update: int = 4  # B_mini
+    n_samples_per_prompt: int = flag("--n-samples-per-prompt", default=8, type=int, help="G")
+    max_response_len: int = flag("--rollout-max-response-len", default=64, type=int)
+    algorithm: str | None = None  # derived: the run's algo.name
 
     def __post_init__(self):
         check_positive(self, "prompts_per_update", "n_samples_per_prompt", "max_response_len")
@@ -87,13 +90,13 @@ class PlanBase:
         return "plan: " + json.dumps(self.summary())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StagedPlan(PlanBase):
     """Staged and colocated modes: ``num_stages`` stages of μ updates on B_train = μ · B_mini prompts each, one
-    weight sync per stage."""
+    weight sync per stage. The defaults are the CPU demo's (``stage_counts`` with no count given)."""
 
-    num_stages: int
-    mu: int
+    num_stages: int = 2
+    mu: int = 16
     rollout_mode: str = "staged"
 
     def __post_init__(self):
@@ -132,15 +135,15 @@ class StagedPlan(PlanBase):
                 ("max response tokens per stage", d["max_tokens_per_stage"]), ("weight syncs", d["weight_syncs"])]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AsyncPlan(PlanBase):
     """Async mode (§5.1): ``train_iters`` updates on a stream, a weight push every N, samples older than K dropped;
     it has no stages."""
 
     train_iters: int
-    weight_sync_interval: int = flag("--weight-sync-interval", type=int, flag_default=4,  # N
+    weight_sync_interval: int = flag("--weight-sync-interval", type=int, default=4,  # N
                                      help="updates between weight pushes to the engine")
-    max_policy_lag: int = flag("--max-policy-lag", type=int, flag_default=1024, help=(  # K
+    max_policy_lag: int = flag("--max-policy-lag", type=int, default=1024, help=(  # K
         "K: samples generated more than K updates before the update that takes them are dropped (counted, never "
         "trained on); must be >= --weight-sync-interval"))
     rollout_mode: str = "async"  # the only value; a field so that the plan's dict (checkpoints) names its mode

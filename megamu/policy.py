@@ -5,7 +5,7 @@ Everything here is collective: every rank calls every method (tensor-parallel ga
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from megamu.weights import LogprobProbe, Weights
 class CheckpointConfig:
     """Where the run's checkpoints and HF exports go, how often and how many stay; where a new run starts from."""
 
-    save: Path = flag("--save", type=Path, flag_default="runs/cpu-demo",
+    save: Path = flag("--save", type=Path, default=Path("runs/cpu-demo"),
                       help="run directory: checkpoints, HF exports, rollouts, metrics")
     load: Path | None = flag("--load", default=None, type=Path, help=(
         "a new run's start point: an earlier run's checkpoint directory (its progress continues); a restart always "
@@ -65,20 +65,26 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    hf_checkpoint: str | None = flag("--hf-checkpoint", flag_default=None,
+    """The trainer's side. ``device``, ``offload_dir`` and ``temperature`` are the run's (RunConfig.derive passes
+    them down: its device, RunDir(save).offload, rollout.temperature); a policy on its own is given them."""
+
+    hf_checkpoint: str | None = flag("--hf-checkpoint", default=None,
                                      help="initial policy: an HF folder, or a hub id found in the local HF cache "
                                           "(default: the demo model)")
-    device: Device
-    optimizer: OptimizerConfig
-    checkpoint: CheckpointConfig
-    offload_dir: Path  # where a CPU offload spills the trainer's state (megamu.run_dir.RunDir.offload)
+    device: Device | None = None  # derived: the run's device
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # where a CPU offload spills the trainer's state; derived: megamu.run_dir.RunDir(save).offload
+    offload_dir: Path | None = None
     transformer_impl: str | None = flag("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                                         help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     bf16: bool = flag("--bf16", default=False, action="store_true")
     micro_batch_size: int = flag("--micro-batch-size", default=8, type=int, help="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = flag("--max-tokens-per-micro-batch", default=None, type=int,
                                                   help="token budget of a micro-batch")
-    temperature: float = 1.0  # log-probs of softmax(logits / T), like the engine's behaviour log-probs
+    # log-probs of softmax(logits / T), like the engine's behaviour log-probs; derived: the run's rollout.temperature
+    # (None on its own: T = 1)
+    temperature: float | None = None
     skip_zero_advantage: bool = flag("--skip-zero-advantage", default=True, action="optional_bool", help=(
         "skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute"))
     # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's
@@ -103,12 +109,17 @@ class PolicyConfig:
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
         check_load_balancing(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff)
-        if not self.temperature > 0:
+        if self.temperature is not None and not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")
         for name, choices in (("export_dtype", DTYPES), ("recompute_granularity", ("full", "selective")),
                               ("transformer_impl", ("local", "transformer_engine"))):
             if getattr(self, name) is not None:
                 check_choice(self, name, tuple(choices))
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The T of the trainer's log-probs: the run's sampling temperature, 1 for a policy on its own."""
+        return 1.0 if self.temperature is None else self.temperature
 
 
 def resolve_hf_checkpoint(path: str | None) -> Path:
@@ -198,11 +209,12 @@ class Policy:
         if algo.uses_reference:
             if self.reference is None:
                 raise RuntimeError(f"algorithm {algo.name!r} has a KL term: call Policy.build_reference() first")
-            samples = self.reference.score(samples, temperature=c.temperature, micro_batch_size=c.micro_batch_size,
+            samples = self.reference.score(samples, temperature=c.logprob_temperature,
+                                           micro_batch_size=c.micro_batch_size,
                                            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
                                            share_prompts=self.share_prompts)
         stats = train_step(self.model, self.optimizer, samples, algo, micro_batch_size=c.micro_batch_size,
-                           max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.temperature,
+                           max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, temperature=c.logprob_temperature,
                            skip_zero_advantage=c.skip_zero_advantage, share_prompts=self.share_prompts)
         self.mem_train = self.optimizer.memory()
         self._cuda_train = self._cuda_allocated()
@@ -213,7 +225,7 @@ class Policy:
         """--behaviour-logprobs recompute: b_t = this policy's log-probs of ``samples``, cached in ``cache``."""
         if cache.exists():
             return torch.load(cache)
-        values = compute_logprobs(self.model, samples, temperature=self.cfg.temperature,
+        values = compute_logprobs(self.model, samples, temperature=self.cfg.logprob_temperature,
                                   micro_batch_size=self.cfg.micro_batch_size,
                                   max_tokens_per_micro_batch=self.cfg.max_tokens_per_micro_batch,
                                   share_prompts=self.share_prompts)

@@ -3,8 +3,9 @@ from the flags by megamu.arguments or in code alike. The plan's types live in me
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -31,22 +32,28 @@ from megamu.rollout import RolloutConfig
 from megamu.run_dir import RunDir
 from megamu.tracking import TrackerConfig
 
+DEFAULT_ALGORITHM = "mu-grpo"  # --algorithm's default and a RunConfig's
+
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.run.Run).
 
-    A field left None where a comment says "derived" follows from the mode and the device; ``__post_init__`` fills it
-    in (``derive``), here and nowhere else, so a config built in code runs as the same one built from flags."""
+    Each quantity is stored once: the algorithm (``algo``), G and the response bound (``plan``), the seed (here), the
+    sampling temperature (``rollout``), the device (here), the run directory (``policy.checkpoint.save``). The parts
+    that read one keep a copy left None in code; ``derive`` passes the value down and refuses a copy given in code
+    that differs, naming both paths. A field left None where a comment says "derived" follows from the run;
+    ``__post_init__`` fills it in (``derive``), here and nowhere else, so a config built in code from the
+    dataclasses' defaults runs as the one built from the same flags (the defaults are the CPU demo's)."""
 
-    plan: Plan
-    algo: AlgoConfig
-    device: Device
-    policy: PolicyConfig
-    engine: EngineConfig
-    rollout: RolloutConfig
-    prompts: PromptsConfig
-    seed: int
+    plan: Plan = field(default_factory=StagedPlan)
+    algo: AlgoConfig = field(default_factory=lambda: AlgoConfig.preset(DEFAULT_ALGORITHM))
+    device: Device = field(default_factory=Device.detect)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(kind=None))  # kind None: the device's
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
+    seed: int = flag("--seed", default=1234, type=int)  # stage k samples with seed + k; prompts shuffled by it
     tensorboard_dir: str | None = flag("--tensorboard-dir", default=None,  # derived: <save>/tensorboard
                                        help="default: <save>/tensorboard")
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", default=1, type=int)
@@ -113,14 +120,28 @@ class RunConfig:
             raise ConfigError("algo.overlong_buffer", "shapes a stage's rewards: staged and colocated modes only")
 
     def derive(self) -> None:
-        """Fill in the fields left None that follow from the mode and the device (explicit values stay). Frozen
-        children are replaced, and this config's own fields set with object.__setattr__."""
-        plan, device, set_ = self.plan, self.device, partial(object.__setattr__, self)
-        if self.tensorboard_dir is None:
-            set_("tensorboard_dir", str(RunDir(self.save).tensorboard))
-        if self.policy.offload_train is None:
+        """Fill in the fields left None that follow from the run (explicit values stay; a copy of a quantity stored
+        elsewhere must agree with it). Frozen children are replaced, this config's own fields set with
+        object.__setattr__."""
+        set_, run_dir = partial(object.__setattr__, self), RunDir(self.save)
+        set_("plan", _passed_down(self.plan, "plan", algorithm=(self.algo.name, "algo.name")))
+        plan, device = self.plan, self.device
+        g, length, seed = ((plan.n_samples_per_prompt, "plan.n_samples_per_prompt"),
+                           (plan.max_response_len, "plan.max_response_len"), (self.seed, "seed"))
+        set_("rollout", _passed_down(self.rollout, "rollout", n_samples=g, seed=seed, max_new_tokens=length))
+        self._derive_prompts(run_dir, length, seed)
+        policy = _passed_down(self.policy, "policy", device=(device, "device"),
+                              temperature=(self.rollout.temperature, "rollout.temperature"),
+                              offload_dir=(run_dir.offload, "policy.checkpoint.save (RunDir(save).offload)"))
+        if policy.offload_train is None:
             # staged and colocated engines take turns with the trainer for the device; async ones have their own
-            set_("policy", build_at("policy", replace, self.policy, offload_train=not plan.is_async))
+            policy = build_at("policy", replace, policy, offload_train=not plan.is_async)
+        if not policy.optimizer.lr_decay_iters:  # lr decays over the run's updates unless given
+            policy = replace(policy, optimizer=build_at("policy.optimizer", replace, policy.optimizer,
+                                                        lr_decay_iters=plan.total_updates))
+        set_("policy", policy)
+        if self.tensorboard_dir is None:
+            set_("tensorboard_dir", str(run_dir.tensorboard))
         engine = self.engine
         if engine.kind is None:
             engine = build_at("engine", replace, engine, kind=device.rollout_engine)
@@ -137,6 +158,22 @@ class RunConfig:
             set_("async_", build_at("async_", replace, a, queue_groups=queue, worker_threads=threads))
             if self.cpu_threads is None and not device.is_cuda:
                 set_("cpu_threads", max(1, (os.cpu_count() or 2) - threads))
+
+    def _derive_prompts(self, run_dir: RunDir, length: tuple[int, str], seed: tuple[int, str]) -> None:
+        plan, p = self.plan, self.prompts
+        derived: dict = {}
+        if p.builtin_rows is None:  # enough rows that the held-out split (at most half the data) holds all of it
+            derived["builtin_rows"] = 0 if p.files else \
+                max(plan.total_updates * plan.prompts_per_update, p.held_out) + p.held_out
+        if p.answer_key is None:  # the key the reward reads: a code row's tests, or a math row's answer
+            derived["answer_key"] = "tests" if self.rollout.reward.kind == "code" else "answer"
+        if p.context_length is None:
+            derived["context_length"] = model_context_length(self.policy.hf_checkpoint)
+        p = build_at("prompts", replace, p, **derived) if derived else p
+        set_ = partial(object.__setattr__, self)
+        set_("prompts", _passed_down(p, "prompts", seed=seed, max_response_len=length,
+                                     prompts_per_stage=(plan.prompts_per_stage, "plan (μ x prompts_per_update)"),
+                                     data_dir=(run_dir.data, "policy.checkpoint.save (RunDir(save).data)")))
 
     # The checkpoint settings the loops read, one CheckpointConfig (policy.checkpoint) in the tree.
     @property
@@ -159,6 +196,30 @@ class RunConfig:
         precision = "bf16" if self.policy.bf16 else "fp32"
         return self.plan.describe(self.algo, f"{precision}, HF exports {self.policy.export_dtype or precision}, "
                                              f"engine {self.engine.dtype}", self.device.describe())
+
+
+def _passed_down(part, at: str, **copies: tuple[object, str]):
+    """``part`` (the field ``at`` of a RunConfig) with each of its ``copies`` (field name: (the run's value, where the
+    run stores it)) filled in where left None. A copy given that differs is refused naming both paths: the run
+    stores the quantity once, and a part's copy is only ever the run's."""
+    changes = {}
+    for name, (value, source) in copies.items():
+        current = getattr(part, name)
+        if current is None:
+            changes[name] = value
+        elif current != value:
+            raise ConfigError(f"{at}.{name}", f"{current!r} contradicts {source} = {value!r}: the run stores it once, "
+                                              f"at {source} (leave {at}.{name} unset: it is passed down)")
+    return build_at(at, replace, part, **changes) if changes else part
+
+
+def model_context_length(hf_checkpoint: str | None) -> int | None:
+    """The model's context (config.json's max_position_embeddings) when --hf-checkpoint's folder is readable here (a
+    dry run of a cluster script may not see it; the demo model's is not read)."""
+    path = Path(hf_checkpoint or "", "config.json")
+    if not hf_checkpoint or not path.exists():
+        return None
+    return json.loads(path.read_text()).get("max_position_embeddings")
 
 
 def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,

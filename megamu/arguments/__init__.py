@@ -47,8 +47,7 @@ from megamu.memory_plan import MemoryPlanConfig
 from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
 from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import RunConfig, memory_plan_of
-from megamu.run_dir import RunDir
+from megamu.run_config import DEFAULT_ALGORITHM, RunConfig, memory_plan_of
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import OptimizerConfig
 
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, PolicyConfig, ["hf_checkpoint"])
     add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size"])
     add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
-    add_fields(g, RolloutConfig, ["seed"])
+    add_fields(g, RunConfig, ["seed"])
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
     add_fields(g, PolicyConfig, ["recompute_granularity", "moe_router_load_balancing_type", "moe_aux_loss_coeff"])
 
@@ -100,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
     g.add_argument("--rollout-batch-size", type=int, default=None,
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
-    add_fields(g, RolloutConfig, ["n_samples"])
-    g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default="mu-grpo")
+    add_fields(g, StagedPlan, ["n_samples_per_prompt"])
+    g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default=DEFAULT_ALGORITHM)
     add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
                choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
@@ -110,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
     add_fields(g, PolicyConfig, ["offload_train"])
-    add_fields(g, RolloutConfig, ["temperature", "top_p", "max_new_tokens", "groups_per_shard", "shards_per_call"])
+    add_fields(g, RolloutConfig, ["temperature", "top_p"])
+    add_fields(g, StagedPlan, ["max_response_len"])  # the run's response bound: the plan's, passed to the rollout
+    add_fields(g, RolloutConfig, ["groups_per_shard", "shards_per_call"])
     add_engine_arguments(p)
 
     g = p.add_argument_group("async rollout (--rollout-mode async, §5.1)")
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
+def plan_of(args: argparse.Namespace) -> Plan:
     """The run's shape from the flags: staged modes take any two of B_train, B_mini, μ and the stages (or
     --train-iters); async mode takes --train-iters, N and K."""
     if args.rollout_batch_size is not None:  # slime's flag, megamu's --prompts-per-stage
@@ -153,14 +154,14 @@ def plan_of(args: argparse.Namespace, algorithm: str) -> Plan:
             _error("--train-iters", "required in async mode")
         return _config(AsyncPlan, at="plan", prompts_per_update=args.prompts_per_update or 4,
                        n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
-                       algorithm=algorithm, train_iters=args.train_iters,
+                       train_iters=args.train_iters,
                        weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
     num_stages, b_mini, mu = _config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
                                      prompts_per_update=args.prompts_per_update, mu=args.mu,
                                      num_stages=args.num_stages, train_iters=args.train_iters)
     return _config(StagedPlan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
-                   max_response_len=args.rollout_max_response_len, algorithm=algorithm,
-                   rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
+                   max_response_len=args.rollout_max_response_len, rollout_mode=args.rollout_mode,
+                   num_stages=num_stages, mu=mu)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -258,36 +259,30 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     config = hf_config(args)
     check_model_arguments(args, config)
     check_expert_tensor_parallel(args, config)
-    plan = plan_of(args, args.algorithm)
+    plan = plan_of(args)
     check_megatron_arguments(args, plan.prompts_per_update)
     notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)
     dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
     algo = _config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
                    **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
-    optimizer = _config(OptimizerConfig, at="policy.optimizer", **{
-        **field_values(OptimizerConfig, args), "lr_decay_iters": args.lr_decay_iters or plan.total_updates})
-    save = Path(args.save)
+    # the values the run stores once (seed, G, response bound, temperature, device, run directory) and what follows
+    # from the run (lr_decay_iters, B_train, the built-in rows, ...) are passed down by RunConfig.derive
+    optimizer = _config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))
     policy = _config(
-        PolicyConfig, at="policy", **field_values(PolicyConfig, args), device=device, optimizer=optimizer,
-        checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)),
-        offload_dir=RunDir(save).offload, temperature=args.rollout_temperature)
+        PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer,
+        checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.is_async:
         async_ = _config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
-    builtin = args.prompt_data == BUILTIN_DATA
+    model_context(args, config)
     prompts = _config(
         PromptsConfig, at="prompts",
-        files=() if builtin else tuple(args.prompt_data.split(",")), prompts_per_stage=plan.prompts_per_stage,
-        seed=args.seed, data_dir=RunDir(save).data,
-        # enough rows that the held-out split (at most half the data) holds all --eval-prompts problems
-        builtin_rows=max(plan.total_updates * plan.prompts_per_update, args.eval_prompts) + args.eval_prompts
-        if builtin else 0,
-        **field_values(PromptsConfig, args), answer_key=answer_key(args), context_length=model_context(args, config),
-        max_response_len=args.rollout_max_response_len, eval_sets=eval_sets(args))
+        files=() if args.prompt_data == BUILTIN_DATA else tuple(args.prompt_data.split(",")),
+        **field_values(PromptsConfig, args), answer_key=args.answer_key, eval_sets=eval_sets(args))
     run = _config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
-        async_=async_, prompts=prompts, seed=args.seed, **field_values(RunConfig, args),
+        async_=async_, prompts=prompts, **field_values(RunConfig, args),
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute",
         evaluation=evaluation_config(args), tracker=tracker_config(args))
     # the memory plan reads the run's derived settings (offload, weight push, memory saver)

@@ -23,24 +23,28 @@ PROMPT_SETTINGS = "prompt_settings.json"  # under the run's data dir: how the ru
 @dataclass(frozen=True)
 class PromptsConfig:
     """``files`` empty: the demo's built-in task, ``builtin_rows`` seeded two-digit additions written to
-    ``data_dir/addition.jsonl`` (so the data a run trained on can be inspected later)."""
+    ``data_dir/addition.jsonl`` (so the data a run trained on can be inspected later).
 
-    files: tuple[str, ...]
-    prompts_per_stage: int | None  # B_train; None in async mode (no stages)
+    The fields marked "derived" are the run's: None here, RunConfig.derive passes them down (and refuses a copy that
+    differs from the run's own); prompts on their own are given them."""
+
+    files: tuple[str, ...] = ()
+    prompts_per_stage: int | None = None  # derived: B_train of a staged plan; None in async mode (no stages)
     # prompts kept out of training for the greedy evaluation (at most half the data)
-    held_out: int = flag("--eval-prompts", type=int, flag_default=100,
+    held_out: int = flag("--eval-prompts", type=int, default=100,
                          help="training prompts held out as the 'held-out' evaluation set (0: none)")
-    seed: int
-    data_dir: Path
-    builtin_rows: int = 0
+    seed: int | None = None  # derived: the run's seed
+    data_dir: Path | None = None  # derived: megamu.run_dir.RunDir(save).data
+    builtin_rows: int | None = None  # derived without files: enough rows for the run and the held-out split
     prompt_key: str = flag("--prompt-key", "--input-key", default="problem", help=(
         "the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' messages are read when "
         "this column is absent"))
-    answer_key: str = "answer"
+    # derived: the key the run's reward reads ("tests" for --reward code, else "answer"); on its own: "answer"
+    answer_key: str | None = None
     max_prompt_length: int = flag("--max-prompt-length", default=1024, type=int)
     skip_bad_rows: bool = flag("--skip-bad-rows", default=False, action="store_true")
-    context_length: int | None = None  # the model's (max_position_embeddings): prompt + reply must fit it
-    max_response_len: int = 0
+    context_length: int | None = None  # derived: the model's (max_position_embeddings): prompt + reply must fit it
+    max_response_len: int | None = None  # derived: the run's plan.max_response_len
     instruction: str | None = flag("--instruction", default=None, help=(  # None: the paper's; "": none
         "text appended to each text problem (default: the paper's step-by-step \\boxed{} instruction; '' for none); "
         "message rows carry their own"))
@@ -51,7 +55,7 @@ class PromptsConfig:
     def __post_init__(self):
         check_positive(self, "prompts_per_stage", "max_prompt_length")
         check_non_negative(self, "held_out", "builtin_rows")
-        if not self.files and not self.builtin_rows:
+        if not self.files and self.builtin_rows == 0:
             raise ConfigError("builtin_rows", "no prompt files and no built-in rows: nothing to train on")
 
 
@@ -65,7 +69,8 @@ class Prompts:
             instruction = cfg.instruction
 
         if parallel.is_main_rank():  # what tools/evaluate.py --run builds its prompts with
-            settings = {"prompt_key": cfg.prompt_key, "answer_key": cfg.answer_key, "instruction": instruction,
+            settings = {"prompt_key": cfg.prompt_key, "answer_key": cfg.answer_key or "answer",
+                        "instruction": instruction,
                         "few_shot": [list(pair) for pair in few_shot], "chat_template": cfg.chat_template,
                         "max_prompt_length": cfg.max_prompt_length, "skip_bad_rows": cfg.skip_bad_rows,
                         "max_response_len": cfg.max_response_len}
@@ -73,10 +78,10 @@ class Prompts:
             atomic_write_text(cfg.data_dir / PROMPT_SETTINGS, json.dumps(settings, indent=1) + "\n")
 
         def load(paths: list[str]) -> list[PromptRecord]:  # training and evaluation prompts are built alike
-            return load_prompts(paths, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
+            return load_prompts(paths, tokenizer, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key or "answer",
                                 max_prompt_length=cfg.max_prompt_length, skip_bad_rows=cfg.skip_bad_rows,
                                 instruction=instruction, few_shot=few_shot, context_length=cfg.context_length,
-                                max_response_len=cfg.max_response_len, chat_template=cfg.chat_template)
+                                max_response_len=cfg.max_response_len or 0, chat_template=cfg.chat_template)
 
         prompts = load(files)
         order = list(range(len(prompts)))

@@ -16,13 +16,17 @@ from megamu.reward.config import RewardConfig
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """How each stage's samples are drawn (G per prompt, seeded by stage), scored and written (shards of groups)."""
+    """How each stage's samples are drawn (G per prompt, seeded by stage), scored and written (shards of groups).
 
-    n_samples: int = flag("--n-samples-per-prompt", default=8, type=int, help="G")
-    seed: int = flag("--seed", default=1234, type=int)  # the run's seed; stage k samples with seed + k
+    ``n_samples``, ``seed`` and ``max_new_tokens`` are the run's (plan.n_samples_per_prompt, seed,
+    plan.max_response_len): None here, RunConfig.derive passes them down and refuses a copy that differs. The
+    sampling temperature is stored here only (the policy's log-probs take it from here)."""
+
+    n_samples: int | None = None  # derived: G, the run's plan.n_samples_per_prompt
+    seed: int | None = None  # derived: the run's seed; stage k samples with seed + k
     temperature: float = flag("--rollout-temperature", default=1.0, type=float)
     top_p: float = flag("--rollout-top-p", default=1.0, type=float)
-    max_new_tokens: int = flag("--rollout-max-response-len", default=64, type=int)
+    max_new_tokens: int | None = None  # derived: the run's plan.max_response_len
     groups_per_shard: int = flag("--rollout-groups-per-shard", default=16, type=int,
                                  help="prompt groups per durable shard")
     # engines that take whole calls (the local engine): shards per call
@@ -32,7 +36,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_positive(self, "n_samples", "max_new_tokens", "groups_per_shard", "shards_per_call")
-        if self.n_samples < 2:
+        if self.n_samples is not None and self.n_samples < 2:
             raise ConfigError("n_samples", "GRPO needs at least 2 samples per prompt for group advantages")
         if not self.temperature > 0:
             raise ConfigError("temperature", f"must be > 0, got {self.temperature}")

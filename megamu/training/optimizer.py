@@ -37,7 +37,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 BUCKET_ELEMENTS = 2**25  # 128 MiB of fp32 gradients per data-parallel all-reduce
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Megatron's flag names (--lr, --weight-decay, --adam-beta1, ..., --clip-grad, --lr-warmup-iters).
 
@@ -78,7 +78,8 @@ class OptimizerConfig:
             raise ConfigError("lr_decay_style", f"must be one of {LR_DECAY_STYLES}, got {self.lr_decay_style!r}")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError("min_lr", f"must be in [0, lr = {self.lr}], got {self.min_lr}")
-        if self.lr_decay_style != "constant" and (self.lr_decay_iters or 0) <= self.lr_warmup_iters:
+        # unset (None, or 0 as Megatron reads it): a run's RunConfig.derive sets the run's length, then checks again
+        if self.lr_decay_style != "constant" and self.lr_decay_iters and self.lr_decay_iters <= self.lr_warmup_iters:
             raise ConfigError("lr_decay_iters", f"{self.lr_decay_iters} must exceed the warmup's "
                               f"{self.lr_warmup_iters} updates for a {self.lr_decay_style} decay")
 
@@ -89,6 +90,8 @@ class OptimizerConfig:
             return self.lr * step / warmup
         if self.lr_decay_style == "constant":
             return self.lr
+        if not self.lr_decay_iters:
+            raise ValueError(f"a {self.lr_decay_style} decay needs lr_decay_iters (a run's RunConfig derives it)")
         if step > self.lr_decay_iters:
             return self.min_lr
         ratio = (step - warmup) / (self.lr_decay_iters - warmup)

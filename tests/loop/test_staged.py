@@ -60,7 +60,7 @@ class FakeRun:
             engine=EngineConfig(), evaluation=EvalConfig(), seed=0, recompute_behaviour_logprobs=False,
             algo=ALGORITHM_PRESETS["mu-grpo"],  # the rollout reads its DAPO settings (off)
             log_interval=1, save_interval=0,
-            rollout=RolloutConfig(n_samples=2, max_new_tokens=4, groups_per_shard=2,
+            rollout=RolloutConfig(n_samples=2, seed=1234, max_new_tokens=4, groups_per_shard=2,
                                   reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1)))
         self.plan = SimpleNamespace(rollout_mode=mode, num_stages=num_stages, mu=MU, prompts_per_update=2,
                                     total_updates=num_stages * MU)

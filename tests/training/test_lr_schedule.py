@@ -60,7 +60,7 @@ def test_hand_computed_points():
 @pytest.mark.parametrize("kwargs, field", [
     ({"lr_decay_style": "exponential"}, "lr_decay_style"),
     ({"min_lr": 2.0}, "min_lr"),
-    ({"lr_decay_style": "cosine", "lr_decay_iters": None}, "lr_decay_iters"),
+    ({"lr_decay_style": "cosine", "lr_decay_iters": 2, "lr_warmup_iters": 5}, "lr_decay_iters"),
     ({"lr_decay_style": "linear", "lr_decay_iters": 4, "lr_warmup_iters": 4}, "lr_decay_iters"),
 ])
 def test_bad_schedules_name_their_field(kwargs, field):

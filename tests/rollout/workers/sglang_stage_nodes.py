@@ -86,7 +86,7 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
                                    "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"},
                        weight_sync="disk" if sync == "disk" else "memory",
                        **(dict(shares_trainer_devices=True, sync_backend="nccl") if sync == "tensor" else {}))
-    rollout = RolloutConfig(n_samples=2, max_new_tokens=8, groups_per_shard=2,
+    rollout = RolloutConfig(n_samples=2, seed=1234, max_new_tokens=8, groups_per_shard=2,
                             reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1))
     tok = build_char_tokenizer()
     run = RunDir(Path(record) / "run")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamu.config_fields import flag
 from megamu.errors import ConfigError
 from megamu.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
 from megamu.model_shape import ModelShape, padded_vocab, require_positive
@@ -89,15 +88,12 @@ class MemoryPlanConfig:
     # flattened copies of one bucket alive at once on a GPU: 1 when each rank pushes its own (rank_push.py); one
     # process pushing to all servers (tensor_sync.send_tensors): servers on the node x server TP
     push_bucket_copies: int = 1
-    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
-        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
+    gpu_memory_gib: float = H200_GIB  # a run's: RunConfig.gpu_memory_gib (--gpu-memory-gib)
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
     reference_model: bool = False  # the KL term's frozen π_ref (training/reference.py): params like the actor's
     # the host plan (megamu.memory_plan_phases): None plans no host memory (a caller with no node to read)
-    host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
-        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
-        "GPUs plans the host only when given)"))
+    host_memory_gib: float | None = None  # a run's: RunConfig.host_memory_gib (--host-memory-gib)
     ranks_per_node: int = 8  # trainer ranks (GPUs) on one node
     reward_workers: int = 0
     save_optimizer: bool = True  # checkpoints carry the optimiser state (--no-save-optim: they do not)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import psutil
@@ -18,7 +18,7 @@ from megamu.device import Device
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
 from megamu.loop_config import AsyncConfig, EvalConfig
-from megamu.memory_plan import MemoryPlanConfig, ModelShape
+from megamu.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
 from megamu.plan import (  # noqa: F401  (the names run_config had)
     ROLLOUT_MODES,
     AsyncPlan,
@@ -70,7 +70,14 @@ class RunConfig:
     async_: AsyncConfig | None = None  # --rollout-mode async only
     dry_run: bool = flag("--dry-run", default=False, action="store_true",
                          help="validate and print the plan; start nothing")
-    memory: MemoryPlanConfig | None = None  # GPU runs whose model config is readable: what each GPU holds per phase
+    # The memory plan's own inputs; the plan is computed from the run where it is read (``memory``), not stored.
+    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
+        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
+    host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
+        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
+        "GPUs plans the host only when given)"))
+    world_size: int | None = None  # derived: the launch's trainer ranks (torchrun's WORLD_SIZE, else 1)
+    ranks_per_node: int | None = None  # derived: trainer ranks per node (torchrun's LOCAL_WORLD_SIZE, else the world)
     evaluation: EvalConfig = EvalConfig()
     tracker: TrackerConfig = TrackerConfig()
 
@@ -78,7 +85,8 @@ class RunConfig:
         if (self.async_ is not None) != self.plan.is_async:
             raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
         self.derive()
-        check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads")
+        check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads",
+                       "world_size", "ranks_per_node")
         if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
             # megatron-core 0.16.1's allgather dispatcher gathers the tokens over TP x EP into a CUDA tensor
             # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
@@ -142,12 +150,19 @@ class RunConfig:
         set_("policy", policy)
         if self.tensorboard_dir is None:
             set_("tensorboard_dir", str(run_dir.tensorboard))
+        if self.world_size is None:
+            set_("world_size", int(os.environ.get("WORLD_SIZE", "1")))
+        if self.ranks_per_node is None:
+            set_("ranks_per_node", int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         engine = self.engine
         if engine.kind is None:
             engine = build_at("engine", replace, engine, kind=device.rollout_engine)
         sglang = engine.sglang
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
-            sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", device.backend)
+            # placed as on the GPUs a run is for: a CPU dry run planning for them (--bf16, Transformer Engine) shows
+            # (and memory-plans) the GPU run's servers
+            backend = "nccl" if self.for_gpu else device.backend
+            sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", backend)
         dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
         set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))
         if self.async_ is not None:
@@ -174,6 +189,17 @@ class RunConfig:
         set_("prompts", _passed_down(p, "prompts", seed=seed, max_response_len=length,
                                      prompts_per_stage=(plan.prompts_per_stage, "plan (μ x prompts_per_update)"),
                                      data_dir=(run_dir.data, "policy.checkpoint.save (RunDir(save).data)")))
+
+    @property
+    def for_gpu(self) -> bool:
+        """A run on GPUs, or a dry run planning for them (--bf16 and Transformer Engine run on GPUs only)."""
+        return self.device.is_cuda or self.policy.bf16 or self.policy.transformer_impl == "transformer_engine"
+
+    @cached_property
+    def memory(self) -> MemoryPlanConfig | None:
+        """What each GPU holds per phase, for runs meant for GPUs whose model config is readable here: computed
+        from the run on first read (``memory_plan_of``), not a setting of its own."""
+        return memory_plan_of(self)
 
     # The checkpoint settings the loops read, one CheckpointConfig (policy.checkpoint) in the tree.
     @property
@@ -213,28 +239,28 @@ def _passed_down(part, at: str, **copies: tuple[object, str]):
     return build_at(at, replace, part, **changes) if changes else part
 
 
-def model_context_length(hf_checkpoint: str | None) -> int | None:
-    """The model's context (config.json's max_position_embeddings) when --hf-checkpoint's folder is readable here (a
-    dry run of a cluster script may not see it; the demo model's is not read)."""
+def hf_model_config(hf_checkpoint: str | None) -> dict | None:
+    """--hf-checkpoint's config.json when its folder is readable here (a dry run of a cluster script may not see it;
+    the demo model's is not read)."""
     path = Path(hf_checkpoint or "", "config.json")
-    if not hf_checkpoint or not path.exists():
-        return None
-    return json.loads(path.read_text()).get("max_position_embeddings")
+    return json.loads(path.read_text()) if hf_checkpoint and path.exists() else None
 
 
-def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu_memory_gib: float,
-                   for_gpu: bool, memory_saver: bool | None = None, host_memory_gib: float | None = None,
-                   ranks_per_node: int = 1, read_host_memory: bool = False) -> MemoryPlanConfig | None:
+def model_context_length(hf_checkpoint: str | None) -> int | None:
+    """The model's context (config.json's max_position_embeddings), when its config is readable here."""
+    return (hf_model_config(hf_checkpoint) or {}).get("max_position_embeddings")
+
+
+def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
-    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). ``memory_saver``: whether
-    the GPU run's servers have SGLang's memory saver (a CPU dry run's engine was placed for CPU, which has none);
-    None: the run's own setting. ``host_memory_gib`` None: this machine's RAM (psutil) with ``read_host_memory`` (a
-    GPU node checking itself), else no host plan (a dry run on a machine without GPUs is not the node: its RAM says
-    nothing)."""
-    if model_config is None or not for_gpu:
+    for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). The host plan: the node's
+    --host-memory-gib, else this machine's RAM (psutil) on GPUs (a node checking itself), else none (a dry run on a
+    machine without GPUs is not the node: its RAM says nothing)."""
+    model_config = hf_model_config(run.policy.hf_checkpoint)
+    if model_config is None or not run.for_gpu:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
-    tp, ep = run.tensor_model_parallel_size, run.expert_model_parallel_size
+    tp, ep, world = run.tensor_model_parallel_size, run.expert_model_parallel_size, run.world_size
     try:
         model = ModelShape.from_hf_config(model_config)
     except ConfigError as e:
@@ -255,12 +281,12 @@ def memory_plan_of(model_config: dict | None, run: RunConfig, *, world: int, gpu
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,
         mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
         release_during_training=engine.kind == "sglang" and plan.rollout_mode == "colocated" and bool(
-            sg.memory_saver if memory_saver is None else memory_saver), gpu_memory_gib=gpu_memory_gib,
-        temperature=policy.temperature, reference_model=run.algo.uses_reference,
+            sg.memory_saver), gpu_memory_gib=run.gpu_memory_gib,
+        temperature=policy.logprob_temperature, reference_model=run.algo.uses_reference,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
         else None, push_bucket_mb=sg.weight_bucket_mb,
         push_bucket_copies=1 if world > 1 and not sg.urls else sg.num_servers * sg.tp_size,  # rank_push.py
-        host_memory_gib=host_memory_gib if host_memory_gib is not None
-        else psutil.virtual_memory().total / 2**30 if read_host_memory else None,
-        ranks_per_node=max(1, min(ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
+        host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
+        else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,
+        ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
         reward_workers=run.rollout.reward.num_workers or default_num_workers())

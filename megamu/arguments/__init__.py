@@ -6,9 +6,7 @@ With no flags at all the program runs the embedded default: the CPU demo (SmolLM
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
@@ -24,6 +22,7 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     engine_config,
     engine_flags,
     flag_of,
+    flag_or_path,
     reward_config,
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
@@ -39,15 +38,13 @@ from megamu.arguments.slime import (
 )
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.device import Device
-from megamu.engines import SGLangConfig
 from megamu.errors import ConfigError
 from megamu.loop_config import AsyncConfig
 from megamu.memory_fixes import fixes
-from megamu.memory_plan import MemoryPlanConfig
 from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
 from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import DEFAULT_ALGORITHM, RunConfig, memory_plan_of
+from megamu.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import OptimizerConfig
 
@@ -119,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    add_fields(g, MemoryPlanConfig, ["gpu_memory_gib", "host_memory_gib"])
+    add_fields(g, RunConfig, ["gpu_memory_gib", "host_memory_gib"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
@@ -192,11 +189,7 @@ def start_point_errors(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def hf_config(args: argparse.Namespace) -> dict | None:
     """--hf-checkpoint's config.json, when it is readable here (a dry run of a cluster script may not see it)."""
-    path = os.path.join(args.hf_checkpoint or "", "config.json")
-    if not args.hf_checkpoint or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return hf_model_config(args.hf_checkpoint)
 
 
 def model_context(args: argparse.Namespace, config: dict | None) -> int | None:
@@ -241,10 +234,10 @@ def check_memory(plan) -> None:
     except ConfigError as e:
         if e.field != "gpu_memory_gib":
             _config(plan.check, at="memory")
-        remedies = [f"{flag_of('memory.' + field)}{'' if value is True else f' {value}'}"
+        remedies = [f"{flag_or_path('memory.' + field)}{'' if value is True else f' {value}'}"
                     for field, value in fixes(plan.config)]
         tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
-        _error(flag_of("memory." + e.field), e.message + "." + tail)
+        _error(flag_or_path("memory." + e.field), e.message + "." + tail)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -284,16 +277,10 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
         async_=async_, prompts=prompts, **field_values(RunConfig, args),
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute",
-        evaluation=evaluation_config(args), tracker=tracker_config(args))
-    # the memory plan reads the run's derived settings (offload, weight push, memory saver)
-    memory = _config(memory_plan_of, at="memory", model_config=config, run=run,
-                     world=world_size(args), gpu_memory_gib=args.gpu_memory_gib, for_gpu=for_gpu,
-                     host_memory_gib=args.host_memory_gib, read_host_memory=device.is_cuda,
-                     ranks_per_node=gpus_per_node(args),
-                     # the servers as a GPU run places them (a CPU dry run's were placed for CPU: no memory saver)
-                     memory_saver=SGLangConfig(memory_saver=args.sglang_memory_saver).placed(
-                         args.rollout_mode == "colocated", "nccl").memory_saver)
+        evaluation=evaluation_config(args), tracker=tracker_config(args), world_size=world_size(args),
+        ranks_per_node=gpus_per_node(args))
+    _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
     if os.environ.get("RANK", "0") == "0":
         for line in notes + announcements(run, args.interval_unit):
             print(f"note: {line}", flush=True)
-    return replace(run, memory=memory)
+    return run

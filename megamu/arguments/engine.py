@@ -26,30 +26,60 @@ def _default(config, name: str):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-# The flag of each config field (a dotted path in RunConfig's tree) whose flag is not "--" + its own name with dashes
-# and which carries none itself: fields set by flags written out in this package, or derived from other flags (a
-# generated part's fields, the engine's included, carry their flags).
+# The flag of each config field (a dotted path in RunConfig's tree) that carries none itself: fields set by flags
+# written out in this package, and the parts' copies of a quantity the run stores once (passed down by RunConfig.derive
+# from the field the flag sets). A generated part's fields carry their flags; a field in neither has no flag.
 FLAG_OF_PATH = {
     "async_": "--rollout-mode",
     "recompute_behaviour_logprobs": "--behaviour-logprobs",
-    "plan.max_response_len": "--rollout-max-response-len",
-    "algo.name": "--algorithm",
+    "algo.name": "--algorithm", "plan.algorithm": "--algorithm",
+    "plan.prompts_per_update": "--prompts-per-update", "plan.mu": "--mu", "plan.num_stages": "--num-stages",
+    "plan.train_iters": "--train-iters", "plan.rollout_mode": "--rollout-mode",
+    "rollout.n_samples": "--n-samples-per-prompt", "rollout.max_new_tokens": "--rollout-max-response-len",
+    "rollout.seed": "--seed", "prompts.seed": "--seed",
     "policy.temperature": "--rollout-temperature",
+    "policy.offload_dir": "--save", "prompts.data_dir": "--save",  # RunDir(save)'s
     "engine.sglang": "--rollout-engine",  # the SGLang part as a whole: set only with --rollout-engine sglang
     "prompts.files": "--prompt-data", "prompts.builtin_rows": "--prompt-data",
+    "prompts.prompts_per_stage": "--prompts-per-stage", "prompts.answer_key": "--answer-key",
     "prompts.context_length": "--hf-checkpoint", "prompts.max_response_len": "--rollout-max-response-len",
     "prompts.eval_sets": "--eval-prompt-data",
-    "memory.mem_fraction_static": "--sglang-server-args (--mem-fraction-static)", "memory.model": "--hf-checkpoint",
-    "memory.tp": "--tensor-model-parallel-size", "memory.ep": "--expert-model-parallel-size",
-    "memory.server_tp": "--sglang-tp-size", "memory.release_during_training": "--sglang-memory-saver",
-    "memory.max_tokens_per_micro_batch": "--max-tokens-per-micro-batch",
+    # the launch a dry run plans for (torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE otherwise)
+    "world_size": "--actor-num-nodes/--actor-num-gpus-per-node", "ranks_per_node": "--actor-num-gpus-per-node",
+}
+
+# The memory plan (RunConfig.memory, computed from the run): each of its fields to the flag of the run's setting it
+# is computed from, for its errors and the fixes it suggests (megamu.memory_fixes).
+MEMORY_FLAGS = {
+    "model": "--hf-checkpoint", "micro_batch_size": "--micro-batch-size",
+    "max_tokens_per_micro_batch": "--max-tokens-per-micro-batch", "max_response_len": "--rollout-max-response-len",
+    "params_dtype": "--bf16", "tp": "--tensor-model-parallel-size", "ep": "--expert-model-parallel-size",
+    "recompute_granularity": "--recompute-granularity", "transformer_impl": "--transformer-impl",
+    "rollout_mode": "--rollout-mode", "offload_train": "--offload-train", "server_tp": "--sglang-tp-size",
+    "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)",
+    "release_during_training": "--sglang-memory-saver", "weight_push": "--weight-sync",
+    "gpu_memory_gib": "--gpu-memory-gib", "host_memory_gib": "--host-memory-gib",
 }
 
 
 def flag_of(path: str) -> str:
     """The flag that sets the config field at dotted ``path`` of RunConfig: the one the field carries (generated
-    parts), else the one FLAG_OF_PATH lists (parts whose flags are still written out here), else the field's name."""
-    return field_flag(RunConfig, path) or FLAG_OF_PATH.get(path, "--" + path.rsplit(".", 1)[-1].replace("_", "-"))
+    parts), else the one FLAG_OF_PATH lists. A field that no flag sets (derived, or code-only) is refused with a
+    KeyError: no flag name is made up. ``memory.FIELD``: the memory plan's, MEMORY_FLAGS."""
+    if path.startswith("memory."):
+        return MEMORY_FLAGS[path.removeprefix("memory.")]
+    found = field_flag(RunConfig, path) or FLAG_OF_PATH.get(path)
+    if found is None:
+        raise KeyError(f"{path}: no flag sets this config field")
+    return found
+
+
+def flag_or_path(path: str) -> str:
+    """What an error about the field at ``path`` names: its flag, else (a field no flag sets) its dotted path."""
+    try:
+        return flag_of(path)
+    except KeyError:
+        return path
 
 
 def _error(flag: str, message: str):
@@ -62,7 +92,7 @@ def _config(make, *, at: str = "", **kwargs):
     try:
         return make(**kwargs)
     except ConfigError as e:
-        _error(flag_of(e.within(at).field), e.message)
+        _error(flag_or_path(e.within(at).field), e.message)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -159,9 +159,9 @@ class RunConfig:
             engine = build_at("engine", replace, engine, kind=device.rollout_engine)
         sglang = engine.sglang
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
-            # placed as on the GPUs a run is for: a CPU dry run planning for them (--bf16, Transformer Engine) shows
-            # (and memory-plans) the GPU run's servers
-            backend = "nccl" if self.for_gpu else device.backend
+            # a CPU dry run planning for GPUs (--bf16, Transformer Engine) shows (and memory-plans) the servers as
+            # the GPU run places them; anything that starts is placed for its own device
+            backend = "nccl" if self.dry_run and self.for_gpu else device.backend
             sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", backend)
         dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
         set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))

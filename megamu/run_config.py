@@ -158,6 +158,12 @@ class RunConfig:
         if engine.kind is None:
             engine = build_at("engine", replace, engine, kind=device.rollout_engine)
         sglang = engine.sglang
+        if engine.kind == "sglang" and sglang.num_servers is None:
+            # on GPUs the servers of a staged or colocated run take the trainer's: one per tp_size GPUs of the node
+            # (none idle during rollout); async servers have GPUs of their own (--rollout-devices)
+            fill = self.for_gpu and not plan.is_async
+            sglang = build_at("engine.sglang", replace, sglang,
+                              num_servers=max(1, self.ranks_per_node // sglang.tp_size) if fill else 1)
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
             # a CPU dry run planning for GPUs (--bf16, Transformer Engine) shows (and memory-plans) the servers as
             # the GPU run places them; anything that starts is placed for its own device
@@ -285,7 +291,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         temperature=policy.logprob_temperature, reference_model=run.algo.uses_reference,
         weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
         else None, push_bucket_mb=sg.weight_bucket_mb,
-        push_bucket_copies=1 if world > 1 and not sg.urls else sg.num_servers * sg.tp_size,  # rank_push.py
+        push_bucket_copies=1 if world > 1 and not sg.urls else servers,  # rank_push.py
         host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
         else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,
         ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,

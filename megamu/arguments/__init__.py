@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
-from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, world_size
+from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, servers_note, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
     _config,
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     add_slime_arguments(p)
     # resolved in parse_args: slime's --colocate may set the mode; the server count follows the node's GPUs
-    p.set_defaults(rollout_mode=None, sglang_num_servers=None)
+    p.set_defaults(rollout_mode=None)
     return p
 
 
@@ -244,9 +244,8 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
     args = build_parser().parse_args(argv)
     device = device or Device.detect()
-    for_gpu = device.is_cuda or args.bf16 or args.transformer_impl == "transformer_engine"
     notes = translate_slime_arguments(args)  # before any check: the checks read megamu's flags
-    notes += resolve_defaults(args, device, for_gpu)
+    notes += resolve_defaults(args, device)
     resolve_hf_checkpoint(args)
     check_inputs(args, device)
     config = hf_config(args)
@@ -281,6 +280,6 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         ranks_per_node=gpus_per_node(args))
     _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
     if os.environ.get("RANK", "0") == "0":
-        for line in notes + announcements(run, args.interval_unit):
+        for line in notes + servers_note(run, args.sglang_num_servers) + announcements(run, args.interval_unit):
             print(f"note: {line}", flush=True)
     return run

@@ -33,25 +33,25 @@ def gpus_per_node(args: argparse.Namespace) -> int:
     return int(local) if local else (args.actor_num_gpus_per_node or world_size(args))
 
 
-def resolve_defaults(args: argparse.Namespace, device: Device, for_gpu: bool) -> list[str]:
-    """The mode (staged) and, for SGLang servers that take turns with the trainer or share its GPUs on a run meant for
-    GPUs (``for_gpu``: on them, or a dry run planning for them), one server per --sglang-tp-size GPUs of the node
-    (nproc_per_node / TP: none idle during rollout). The engine itself is the device's choice (RunConfig.derive).
-    Returns the lines announcing what was chosen."""
+def resolve_defaults(args: argparse.Namespace, device: Device) -> list[str]:
+    """The mode (staged); the engine itself and its server count follow from the run (RunConfig.derive). Returns the
+    lines announcing what was chosen."""
     notes = []
     args.rollout_mode = args.rollout_mode or "staged"
-    engine = args.rollout_engine or device.rollout_engine
     if args.rollout_engine is None and device.is_cuda:
         notes.append("rollout engine: sglang (the default on GPUs; --rollout-engine local for the in-process one)")
-    if args.sglang_num_servers is None:
-        per_node = gpus_per_node(args)
-        fill = for_gpu and engine == "sglang" and args.rollout_mode != "async"
-        args.sglang_num_servers = max(1, per_node // args.sglang_tp_size) if fill else 1
-        if fill:
-            notes.append(f"SGLang servers: {args.sglang_num_servers} per node x --sglang-tp-size {args.sglang_tp_size}"
-                         f" = {args.sglang_num_servers * args.sglang_tp_size} of the node's {per_node} GPUs (default: "
-                         "nproc_per_node / --sglang-tp-size; --sglang-num-servers sets it)")
     return notes
+
+
+def servers_note(run, given: int | None) -> list[str]:
+    """The line announcing the SGLang server count a run chose (``given``: --sglang-num-servers, None if unset): one
+    per --sglang-tp-size GPUs of the node when the servers take turns with the trainer or share its GPUs."""
+    sg = run.engine.sglang
+    if given is not None or run.engine.kind != "sglang" or not run.for_gpu or run.plan.is_async:
+        return []
+    return [f"SGLang servers: {sg.num_servers} per node x --sglang-tp-size {sg.tp_size} = {sg.num_servers * sg.tp_size}"
+            f" of the node's {run.ranks_per_node} GPUs (default: nproc_per_node / --sglang-tp-size; "
+            "--sglang-num-servers sets it)"]
 
 
 def announcements(run, interval_unit: str | None = None) -> list[str]:

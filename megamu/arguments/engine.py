@@ -160,7 +160,7 @@ def engine_flags(args: argparse.Namespace) -> EngineConfig:
     sglang = SGLangConfig()
     if args.rollout_engine != "local":  # sglang, or the device's choice: the flags given as strings, converted
         sglang = _config(SGLangConfig, at="engine.sglang", **{
-            **field_values(SGLangConfig, args), "num_servers": args.sglang_num_servers or 1,
+            **field_values(SGLangConfig, args),
             "urls": [u for u in (args.sglang_url or "").split(",") if u],
             "extra_server_args": shlex.split(args.sglang_server_args), "server_env": env})
     return _config(EngineConfig, at="engine", **field_values(EngineConfig, args), sglang=sglang)

@@ -44,7 +44,9 @@ class SGLangConfig:
     router: str | None = flag("--sglang-router", default=None, help=(
         "URL of a running sglang-router: the servers megamu launches on every node join it for each stage and leave "
         "it at the stage's end, and requests go through it"))
-    num_servers: int = flag("--sglang-num-servers", default=1, type=int, help="servers megamu launches on each node")
+    # None: a run's RunConfig.derive decides (one per tp_size GPUs of the node when they are the trainer's), else 1
+    num_servers: int | None = flag("--sglang-num-servers", default=None, type=int,
+                                   help="servers megamu launches on each node")
     tp_size: int = flag("--sglang-tp-size", default=1, type=int)
     api_key: str | None = None  # None: SGLANG_API_KEY, else a fresh random key for servers megamu launches
     host: str = flag("--sglang-host", default="127.0.0.1", help=(  # another node's rank 0 needs a routable address
@@ -133,7 +135,7 @@ class SGLangConfig:
         and, on GPUs (nccl), release their memory while the trainer trains; others reload from disk."""
         derived = dict(weight_sync="memory" if colocated else "disk", memory_saver=colocated and backend == "nccl",
                        sync_backend=backend, shares_trainer_devices=colocated,
-                       sync_master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                       sync_master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"), num_servers=1)
         return replace(self, **{k: v for k, v in derived.items() if getattr(self, k) is None})
 
 

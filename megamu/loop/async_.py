@@ -41,6 +41,7 @@ from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
 from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger
+from megamu.mode import Mode
 from megamu.records import RolloutSample
 from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import shard_name, table_to_samples
@@ -58,8 +59,8 @@ class EngineProcess:
     """The trainer's side of the engine process: start it, take batches from its queue, point it at new weights."""
 
     def __init__(self, cfg: AsyncConfig, rollout: RolloutConfig, engine: EngineConfig, run_dir: RunDir, tokenizer,
-                 metrics: MetricsLogger, *, max_policy_lag: int, queue: QueueCursor):
-        self.cfg, self.rollout, self.engine, self.run_dir = cfg, rollout, engine, run_dir
+                 metrics: MetricsLogger, *, max_policy_lag: int, queue: QueueCursor, mode: Mode):
+        self.cfg, self.rollout, self.engine, self.run_dir, self.mode = cfg, rollout, engine, run_dir, mode
         self.tokenizer, self.metrics, self.max_policy_lag = tokenizer, metrics, max_policy_lag
         self.queue = queue  # the run state's cursor: checkpoints carry it
         self.queue_dir = run_dir.async_queue
@@ -133,9 +134,9 @@ class EngineProcess:
         if not parallel.is_main_rank():
             return
         write_json(self.queue_dir / WEIGHTS, {"version": weights.version, "hf_dir": str(weights.hf_dir)})
-        # the engine never goes back to a version older than the one it serves now
-        self.run_dir.prune_sync_exports(below=(read_json(self.queue_dir / LOADED) or {}).get("version", -1),
-                                        keep=weights.hf_dir)
+        # the engine never goes back to a version older than the one it serves now: the mode's retention
+        self.mode.prune_after_sync(self.run_dir, (read_json(self.queue_dir / LOADED) or {}).get("version", -1),
+                                   keep=weights.hf_dir)
         self.metrics.log("sync", step=update, update=update, version=weights.version,
                          t_sync=time.monotonic() - t_start, in_flight="finish_on_old_weights")
 
@@ -178,23 +179,21 @@ class EngineProcess:
 
 
 def train_async(run) -> None:
-    """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
+    """One update at a time on groups streamed from the engine process, which never stops generating (§5.1).
+    ``run``: the megamu.loop.trainer.Trainer (not imported: it imports this loop)."""
     cfg, plan, policy, run_dir = run.cfg, run.plan, run.policy, run.run_dir
     run.state.queue = run.state.queue or QueueCursor()
     engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, run.tokenizer, run.metrics,
-                           max_policy_lag=plan.max_policy_lag, queue=run.state.queue)
-    if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline: same names, other
-        run_dir.prune_sync_exports()  # weights
+                           max_policy_lag=plan.max_policy_lag, queue=run.state.queue, mode=run.mode)
+    if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline
+        run.mode.prune_before_start(run_dir)
     parallel.wait_for_main_rank()
     engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), run.prompts.train)  # θ_t, collective
     bar = run.progress_bar("optimise (async)", total=plan.total_updates, initial=run.state.update)
-    interval = cfg.save_interval
     for update in range(run.state.update, plan.total_updates):
         samples, fields = engine.next_batch(policy.version, plan.prompts_per_update)  # lag ≤ K; older dropped
         done = update + 1
-        last = done == plan.total_updates
-        run.train_on(samples, 0, bar, log=last or done % cfg.log_interval == 0,
-                     save=last or bool(interval and done % interval == 0), **fields)
+        run.train_on(samples, bar, **fields)  # logged and checkpointed as the Trainer's cadence says
         if done % plan.weight_sync_interval == 0 and done < plan.total_updates:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)

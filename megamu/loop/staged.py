@@ -3,7 +3,9 @@
 Each stage k: θ_k is published to the engine as β_k, the trainer offloads, rank 0's engine generates the static
 dataset D_k, the trainer onloads, the stage's HF export is pruned, and μ updates run on D_k. How the engine lives
 across stages (restarted each stage, or kept up and refreshed in place) is its lifecycle's business
-(megamu.engines.lifecycle), chosen once from the mode and the engine's config: this loop has no mode branch.
+(megamu.engines.lifecycle), chosen once by the mode (megamu.mode) for the engine's config: this loop has no mode
+branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
+Trainer's (megamu.loop.trainer), as its mode says.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import replace
 from megamu import parallel
 from megamu.algo.dapo import OverlongShaping
 from megamu.data.prompts import stop_token_ids
-from megamu.engines.lifecycle import EngineLifecycle, make_lifecycle
+from megamu.engines.lifecycle import EngineLifecycle
 from megamu.loop.heldout import evaluate_sets
 from megamu.reward import make_scorer
 from megamu.rollout.dataset import StageDataset
@@ -38,12 +40,13 @@ def probe_tokens(held_out: list, train: list) -> list[int] | None:
 
 
 def train_staged(run) -> None:
-    """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
-    cfg, plan, policy, run_dir, held_out = run.cfg, run.plan, run.policy, run.run_dir, run.prompts.held_out
-    engine = make_lifecycle(plan.rollout_mode, cfg.engine, run.metrics.log,
-                            probe_ids=probe_tokens(held_out, run.prompts.train))
+    """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here.
+    ``run``: the megamu.loop.trainer.Trainer (not imported: it imports this loop)."""
+    cfg, plan, policy, run_dir, mode = run.cfg, run.plan, run.policy, run.run_dir, run.mode
+    engine = mode.lifecycle(cfg.engine, run.metrics.log, probe_ids=probe_tokens(run.prompts.held_out,
+                                                                                run.prompts.train))
     if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now
-        run_dir.prune_done_stage_exports()
+        mode.prune_before_start(run_dir)
     scorer, t_eval = make_scorer(cfg.rollout.reward) if parallel.is_main_rank() else None, 0.0
     for stage in range(run.state.stage, plan.num_stages):
         done = run_dir.stage_done(stage)
@@ -62,17 +65,17 @@ def train_staged(run) -> None:
             engine.offload()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
-            if parallel.is_main_rank() and stage != engine.launch_stage:  # 6. D_k is durable: hf/stage_k goes
-                run_dir.prune_stage_export(stage)  # (not the one servers launched from: their restarts load it)
+            if parallel.is_main_rank():  # 6. D_k is durable: hf/stage_k goes (not one servers launched from)
+                mode.prune_after_rollout(run_dir, stage, engine_keeps_it=engine.keeps_export(stage))
             parallel.wait_for_main_rank()
         t2 = time.perf_counter()
         dataset = StageDataset(run_dir.stage_rollouts(stage))
-        optimise(run, stage, dataset, t_eval, engine.stage_end_checkpoints)  # 7. μ updates on the static D_k
-        run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
+        optimise(run, stage, dataset, t_eval)  # 7. μ updates on the static D_k
+        run.stage_done(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
     final_evaluation(run, engine, scorer)
     engine.stop()
-    if engine.launch_stage is not None and parallel.is_main_rank():
-        run_dir.prune_stage_export(engine.launch_stage)
+    if parallel.is_main_rank():
+        mode.prune_at_end(run_dir)
     if scorer is not None:
         scorer.close()
 
@@ -85,13 +88,13 @@ def rollout(run, engine: EngineLifecycle, scorer, stage: int) -> None:
     kwargs = dict(sampling=sampling(run, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
                   tokenizer=run.tokenizer, stage=stage, policy_version=run.policy.version,
                   groups_per_shard=cfg.rollout.groups_per_shard, shards_per_call=cfg.rollout.shards_per_call,
-                  model_path=str(engine.hf_dir or ""), overlong=overlong)
+                  model_path=str(engine.served_folder() or ""), overlong=overlong)
     out = run.run_dir.stage_rollouts(stage)
     if algo.dynamic_sampling:
-        run_dynamic_rollout(engine.engine, lambda r: run.prompts.for_sampling_round(stage, r), out,
+        run_dynamic_rollout(engine.serving(), lambda r: run.prompts.for_sampling_round(stage, r), out,
                             max_rounds=algo.max_sampling_rounds, **kwargs)
     else:
-        run_rollout_phase(engine.engine, run.prompts.for_stage(stage), out, **kwargs)
+        run_rollout_phase(engine.serving(), run.prompts.for_stage(stage), out, **kwargs)
 
 
 def sampling(run, stage: int):
@@ -131,7 +134,7 @@ def publish(policy, engine: EngineLifecycle, stage: int, export_dir) -> None:
     engine.onload()  # colocated: the servers' KV cache comes back
 
 
-def optimise(run, stage: int, dataset: StageDataset, t_eval: float, stage_end_checkpoints: bool) -> None:
+def optimise(run, stage: int, dataset: StageDataset, t_eval: float) -> None:
     """μ updates on the static dataset D_k, resuming at the checkpoint's update; an ETA line after the first."""
     cfg, plan, state = run.cfg, run.plan, run.state
     start = state.update - stage * plan.mu
@@ -144,20 +147,7 @@ def optimise(run, stage: int, dataset: StageDataset, t_eval: float, stage_end_ch
         if anchors is not None:
             samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
         t0 = time.perf_counter()
-        in_stage = state.update + 1 - stage * plan.mu  # after this update
-        log = in_stage % cfg.log_interval == 0 or in_stage == plan.mu  # every --log-interval and the stage's last
-        run.train_on(samples, stage, bar, log=log, save=checkpoint_due(run, in_stage, stage_end_checkpoints))
+        run.train_on(samples, bar)  # logged and checkpointed as the Trainer's cadence says
         if not run.eta_shown:
             run.show_eta(stage, time.perf_counter() - t0, dataset.manifest.t_rollout_s, t_eval)
     bar.close()
-    state.stage = stage + 1
-
-
-def checkpoint_due(run, in_stage: int, stage_end_checkpoints: bool) -> bool:
-    """Every --save-interval updates of a stage and at each stage's end (a resume then skips the stage); an engine
-    refreshed every μ (= 4) updates (colocated): every --save-interval updates of the run and at its end, not at
-    each refresh (1024 checkpoints in the paper's GRPO baseline)."""
-    plan, interval, update = run.plan, run.cfg.save_interval, run.state.update + 1
-    if stage_end_checkpoints:
-        return in_stage == plan.mu or bool(interval and in_stage % interval == 0)
-    return update == plan.total_updates or bool(interval and update % interval == 0)

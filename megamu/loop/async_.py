@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
@@ -47,6 +48,9 @@ from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import shard_name, table_to_samples
 from megamu.run_dir import RunDir
 from megamu.weights import Weights
+
+if TYPE_CHECKING:
+    from megamu.loop.trainer import Trainer
 
 WAIT_POLL_S = 0.02  # the trainer's poll while waiting for a shard: short, the wait is the idle time it measures
 
@@ -178,37 +182,36 @@ class EngineProcess:
             f"stored shard is kept: rerun the same command to resume. Last lines of {log}:\n{tail}")
 
 
-def train_async(run) -> None:
-    """One update at a time on groups streamed from the engine process, which never stops generating (§5.1).
-    ``run``: the megamu.loop.trainer.Trainer (not imported: it imports this loop)."""
-    cfg, plan, policy, run_dir = run.cfg, run.plan, run.policy, run.run_dir
-    run.state.queue = run.state.queue or QueueCursor()
-    engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, run.tokenizer, run.metrics,
-                           max_policy_lag=plan.max_policy_lag, queue=run.state.queue, mode=run.mode)
+def train_async(trainer: Trainer) -> None:
+    """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
+    cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
+    trainer.state.queue = trainer.state.queue or QueueCursor()
+    engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, trainer.tokenizer, trainer.metrics,
+                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=trainer.mode)
     if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline
-        run.mode.prune_before_start(run_dir)
+        trainer.mode.prune_before_start(run_dir)
     parallel.wait_for_main_rank()
-    engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), run.prompts.train)  # θ_t, collective
-    bar = run.progress_bar("optimise (async)", total=plan.total_updates, initial=run.state.update)
-    for update in range(run.state.update, plan.total_updates):
+    engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), trainer.prompts.train)  # θ_t, collective
+    bar = trainer.progress_bar("optimise (async)", total=plan.total_updates, initial=trainer.state.update)
+    for update in range(trainer.state.update, plan.total_updates):
         samples, fields = engine.next_batch(policy.version, plan.prompts_per_update)  # lag ≤ K; older dropped
         done = update + 1
-        run.train_on(samples, bar, **fields)  # logged and checkpointed as the Trainer's cadence says
+        trainer.train_on(samples, bar, **fields)  # logged and checkpointed as the Trainer's cadence says
         if done % plan.weight_sync_interval == 0 and done < plan.total_updates:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)
     bar.close()
-    final = run.export_final()  # collective: before rank 0 alone stops the engine process
+    final = trainer.export_final()  # collective: before rank 0 alone stops the engine process
     engine.stop()  # the engine process's memory is free for the evaluation's engine
-    if parallel.is_main_rank() and run.prompts.eval_sets:
+    if parallel.is_main_rank() and trainer.prompts.eval_sets:
         from megamu.reward import make_scorer
 
         evaluator, scorer = build_engine(cfg.engine, final.hf_dir), make_scorer(cfg.rollout.reward)
         try:
             # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
-            evaluate_sets(evaluator, run.prompts.eval_sets, cfg.rollout.sampling(1, stop_token_ids(run.tokenizer)),
-                          cfg.evaluation, scorer, run.tokenizer, run.metrics, stage=1, update=run.state.update,
-                          label="final")
+            sampling = cfg.rollout.sampling(1, stop_token_ids(trainer.tokenizer))
+            evaluate_sets(evaluator, trainer.prompts.eval_sets, sampling, cfg.evaluation, scorer, trainer.tokenizer,
+                          trainer.metrics, stage=1, update=trainer.state.update, label="final")
         finally:
             evaluator.shutdown()
             scorer.close()

@@ -180,7 +180,7 @@ class WeightGroup:
                     if isinstance(out, dict) and out.get("success") is False:
                         raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
                 sent += flat.numel()
-        finally:  # close the session even after a failed bucket (see sync_weights for what that leaves)
+        finally:  # close the session even after a failed bucket (see ServerWeights.update for what that leaves)
             pool.post_all("/end_weight_update", {}, "end weight update", urls)
         return sent
 

@@ -140,7 +140,7 @@ def test_each_config_refuses_a_bad_value_naming_the_field(make, kwargs, field):
 
 MODE_NAMES = {"staged", "colocated", "async"}
 # megamu.arguments turns the flags into the config tree; its three tests of --rollout-mode are item 1's (issue 46) to
-# replace, in the file that engineer owns. Listed by file and count so that no new one slips in.
+# replace, in files that engineer owns. Listed by file and count, as a ceiling: no new one slips in.
 MODE_TESTS_LEFT = {"megamu/arguments/__init__.py": 2, "megamu/arguments/defaults.py": 1}
 
 
@@ -166,7 +166,7 @@ def test_no_mode_name_is_compared_outside_the_mode_object():
              *(root / "bench").rglob("*.py")]
     found = {str(p.relative_to(root)): n for p in files if p.name != "mode.py" or p.parent != PACKAGE
              for n in [_mode_comparisons(p)] if n}
-    assert found == MODE_TESTS_LEFT
+    assert {f: n for f, n in found.items() if n > MODE_TESTS_LEFT.get(f, 0)} == {}  # fewer, once item 1 lands
 
 
 def test_the_scan_sees_a_mode_comparison(tmp_path):

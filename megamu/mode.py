@@ -73,7 +73,7 @@ class Mode:
                   probe_ids: list[int] | None = None) -> EngineLifecycle:
         """How this mode's engine lives across stages, for the engine of ``cfg``. ``log`` takes the "sync" records of
         checked pushes; ``probe_ids`` is the prompt whose log-probs check each SGLang push. Async mode's engine is a
-        process of its own (megamu.loop.async_.EngineProcess), started by the async loop: no stage lifecycle."""
+        process of its own (megamu.loop.engine_process.EngineProcess), started by the async loop: no stage lifecycle."""
         from megamu.engines.lifecycle import ColocatedLocal, RestartEachStage
 
         if self.streams:

@@ -161,7 +161,7 @@ def test_colocated_sglang_resumed_mid_run_starts_from_the_stage_folder_and_evalu
 
 
 def test_async_mode_has_no_stage_lifecycle():
-    """Its engine is a process of its own (megamu.loop.async_.EngineProcess), which the async loop starts."""
+    """Its engine is a process of its own (megamu.loop.engine_process.EngineProcess), which the async loop starts."""
     with pytest.raises(ValueError, match="async"):
         ASYNC.lifecycle(EngineConfig())
 

@@ -1,4 +1,4 @@
-"""The async trainer's side of the durable queue (megamu.loop.async_) on hand-written shards: no engine, no
+"""The async trainer's side of the durable queue (megamu.loop.engine_process) on hand-written shards: no engine, no
 model, so lags and drops are chosen here and checked exactly."""
 
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
-from megamu.loop.async_ import EngineProcess, EngineProcessError
 from megamu.loop.async_worker import CONSUMED, LOG, prompts_at, read_json
+from megamu.loop.engine_process import EngineProcess, EngineProcessError
 from megamu.loop.state import QueueCursor
 from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger

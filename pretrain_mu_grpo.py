@@ -39,15 +39,15 @@ def main(argv=None) -> None:
                               distributed_timeout_minutes=cfg.distributed_timeout_minutes,
                               expert_model_parallel_size=cfg.expert_model_parallel_size)
     from megamu.loop.async_ import train_async
-    from megamu.loop.run import Run
     from megamu.loop.staged import train_staged
+    from megamu.loop.trainer import Trainer
 
-    run = Run(cfg)
-    # The stages of §4 (staged; colocated for standard GRPO): publish θ_k, offload, generate D_k, onload, prune,
-    # μ updates -- each step in train_staged. Async (§5.1): an engine process streams groups while the trainer trains.
-    train = train_async if cfg.plan.rollout_mode == "async" else train_staged
-    train(run)
-    run.finish()
+    trainer = Trainer(cfg)  # the policy, the prompts, the run's progress: resumed from the last checkpoint if any
+    if trainer.mode.streams:  # §5.1: an engine process streams groups while the trainer trains
+        train_async(trainer)
+    else:  # §4, every stage k: publish θ_k, offload, generate D_k, onload, prune, μ updates on D_k
+        train_staged(trainer)
+    trainer.finish()
     parallel.destroy_distributed()
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from megamu.errors import ConfigError
 from megamu.memory_plan import MemoryPlanConfig, plan_memory
+from megamu.mode import mode_of
 
 ROUND_TOKENS = 256  # a suggested token budget is a multiple of this (and at least one row)
 
@@ -52,7 +53,7 @@ def fixes(c: MemoryPlanConfig) -> list[tuple[str, object]]:
             if rows is not None:
                 out.append(("micro_batch_size", rows))
     candidates = [("recompute_granularity", "full")] if c.recompute_granularity != "full" else []
-    if c.rollout_mode == "colocated" and not c.release_during_training:
+    if mode_of(c.rollout_mode).shares_trainer_devices and not c.release_during_training:
         candidates.append(("release_during_training", True))
     if c.dp % 2 == 0:
         candidates.append(("tp", c.tp * 2))

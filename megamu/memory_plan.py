@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from megamu.errors import ConfigError
 from megamu.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
+from megamu.mode import mode_of
 from megamu.model_shape import ModelShape, padded_vocab, require_positive
 
 __all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
@@ -47,7 +48,6 @@ H200_GIB = 141.0  # the issue's default for --gpu-memory-gib (nvidia-smi reports
 
 RECOMPUTE = (None, "selective", "full")
 _RECOMPUTE_LABEL = {None: "no recompute", "selective": "selective recompute", "full": "full recompute"}
-MODES = ("staged", "colocated", "async")
 IMPLS = ("transformer_engine", "local")
 
 
@@ -115,8 +115,7 @@ class MemoryPlanConfig:
             raise ConfigError("recompute_granularity", f"{self.recompute_granularity!r}: expected one of {RECOMPUTE}")
         if self.transformer_impl not in IMPLS:
             raise ConfigError("transformer_impl", f"{self.transformer_impl!r}: expected one of {IMPLS}")
-        if self.rollout_mode not in MODES:
-            raise ConfigError("rollout_mode", f"{self.rollout_mode!r}: expected one of {MODES}")
+        mode = mode_of(self.rollout_mode)  # ConfigError for a name that is no mode
         m = self.model
         for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):  # whole KV groups
             if getattr(m, name) % self.tp:
@@ -140,7 +139,7 @@ class MemoryPlanConfig:
         require_positive("ranks_per_node", self.ranks_per_node)
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
             raise ConfigError("host_memory_gib", f"must be a positive number of GiB, got {self.host_memory_gib!r}")
-        if self.release_during_training and self.rollout_mode != "colocated":
+        if self.release_during_training and not mode.shares_trainer_devices:
             raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
                               f"(rollout_mode={self.rollout_mode!r})")
 
@@ -366,14 +365,15 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
 
     resident = sum(b for _, b in state)
     rows = [Row("training", "CUDA context + NCCL (trainer)", ctx)]
-    if c.rollout_mode == "colocated":
+    mode = mode_of(c.rollout_mode)
+    if mode.keeps_engine_up:
         # servers start once, before the first update: the trainer then holds params, grads and main params (Adam
         # moments come with the first step) unless offloaded; later rollouts see the moments as well. They are
         # listed before the trainer's state: they are there when training starts, and the overflow is the trainer's.
         at_launch = 0 if c.offload_train else params + grads + main
         rows += servers("training", at_launch, c.release_during_training)
         phase = "rollout (colocated)"
-    elif c.rollout_mode == "staged":
+    elif mode.restarts_engine:
         at_launch = 0 if c.offload_train else resident  # servers restart every stage; later stages have moments
         phase = "rollout (staged)"
     else:
@@ -389,12 +389,12 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     rows += checkpoint_rows("checkpoint", [r for r in rows if r.phase == "training" and r.counted
                                            and not r.part.startswith(("activations", "logits"))])
 
-    if c.rollout_mode != "async":
+    if not mode.streams:
         rows.append(Row(phase, "CUDA context + NCCL (trainer)", ctx))
         if not c.offload_train:
             rows += [Row(phase, f"trainer {part}", b) for part, b in state]
     rows += servers(phase, at_launch, False)
-    if c.rollout_mode == "colocated" and c.weight_push:
+    if mode.keeps_engine_up and c.weight_push:
         rows += _push_rows(c, ctx, [] if c.offload_train else state, server_weights,
                            (sum(m.param_counts()) + m.expert_params()) * e if c.weight_push == "memory" else 0)
     host = None if c.host_memory_gib is None else plan_host(c, n_dense=dense_local, n_expert=expert_local,

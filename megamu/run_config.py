@@ -19,6 +19,7 @@ from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
 from megamu.loop_config import AsyncConfig, EvalConfig
 from megamu.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
+from megamu.mode import mode_of
 from megamu.plan import (  # noqa: F401  (the names run_config had)
     ROLLOUT_MODES,
     AsyncPlan,
@@ -37,7 +38,7 @@ DEFAULT_ALGORITHM = "mu-grpo"  # --algorithm's default and a RunConfig's
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.run.Run).
+    """Everything a run is built from: one config per part, plus the loop's own settings (megamu.loop.trainer.Trainer).
 
     Each quantity is stored once: the algorithm (``algo``), G and the response bound (``plan``), the seed (here), the
     sampling temperature (``rollout``), the device (here), the run directory (``policy.checkpoint.save``). The parts
@@ -95,7 +96,7 @@ class RunConfig:
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
         if self.engine.kind == "sglang" and self.engine.sglang.weight_sync == "memory" \
-                and self.plan.rollout_mode != "colocated":
+                and not mode_of(self.plan.rollout_mode).shares_trainer_devices:
             raise ConfigError("engine.sglang.weight_sync", "memory needs --rollout-mode colocated (staged mode starts "
                                                            "each stage's servers from the stage's export)")
         if self.async_ is not None and self.async_.queue_groups < self.plan.prompts_per_update:
@@ -111,7 +112,7 @@ class RunConfig:
             raise ConfigError("evaluation.eval_interval", f"{interval} is not a multiple of μ = {self.plan.mu}: "
                                                           "evaluations run on the engine, which holds the policy of "
                                                           "a stage's start")
-        if self.recompute_behaviour_logprobs and self.plan.rollout_mode == "async":
+        if self.recompute_behaviour_logprobs and not mode_of(self.plan.rollout_mode).has_stages:
             raise ConfigError("recompute_behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
                                                               "engine's log-probs")
         self._check_dapo()
@@ -168,7 +169,8 @@ class RunConfig:
             # a CPU dry run planning for GPUs (--bf16, Transformer Engine) shows (and memory-plans) the servers as
             # the GPU run places them; anything that starts is placed for its own device
             backend = "nccl" if self.dry_run and self.for_gpu else device.backend
-            sglang = build_at("engine.sglang", sglang.placed, plan.rollout_mode == "colocated", backend)
+            shares = mode_of(plan.rollout_mode).shares_trainer_devices
+            sglang = build_at("engine.sglang", sglang.placed, shares, backend)
         dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
         set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))
         if self.async_ is not None:
@@ -272,7 +274,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     except ConfigError as e:
         print(f"note: no memory plan for this model: {e.message}", flush=True)
         return None
-    sg = engine.sglang
+    sg, mode = engine.sglang, mode_of(plan.rollout_mode)
     args = list(sg.extra_server_args)
     fraction = next((float(v) for k, v in zip(args, args[1:]) if k == "--mem-fraction-static"), None)
     servers = sg.num_servers * sg.tp_size if engine.kind == "sglang" else 1
@@ -286,11 +288,10 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,
         mem_fraction_static=MemoryPlanConfig.mem_fraction_static if fraction is None else fraction,
-        release_during_training=engine.kind == "sglang" and plan.rollout_mode == "colocated" and bool(
-            sg.memory_saver), gpu_memory_gib=run.gpu_memory_gib,
-        temperature=policy.logprob_temperature, reference_model=run.algo.uses_reference,
-        weight_push=(sg.weight_sync if engine.kind == "sglang" else "memory") if plan.rollout_mode == "colocated"
-        else None, push_bucket_mb=sg.weight_bucket_mb,
+        release_during_training=mode.releases_during_training(engine.kind, bool(sg.memory_saver)),
+        gpu_memory_gib=run.gpu_memory_gib, temperature=policy.logprob_temperature,
+        reference_model=run.algo.uses_reference, weight_push=mode.weight_push(engine.kind, sg.weight_sync),
+        push_bucket_mb=sg.weight_bucket_mb,
         push_bucket_copies=1 if world > 1 and not sg.urls else servers,  # rank_push.py
         host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
         else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,

@@ -41,8 +41,8 @@ SCRIPT = REPO / "pretrain_mu_grpo.py"
 STOP_GRACE_S = 5.0  # a failed world's other ranks: SIGTERM, then SIGKILL after this long
 # What a run imports before it trains (the loop modules are imported in main(), after parsing the flags); megatron-core
 # comes first, imported as the run's init_distributed does (megamu.device.Device.import_megatron).
-PRELOAD = ("pretrain_mu_grpo", "megamu.loop.run", "megamu.loop.staged", "megamu.loop.async_", "megamu.engines.local",
-           "megatron.core.models.gpt", "torch._dynamo", "transformers")
+PRELOAD = ("pretrain_mu_grpo", "megamu.loop.trainer", "megamu.loop.staged", "megamu.loop.async_",
+           "megamu.engines.local", "megatron.core.models.gpt", "torch._dynamo", "transformers")
 # Modules whose import makes state of the process: wandb makes a media temp folder at import and deletes it at exit,
 # so the first child to end would delete it under every later one. A child must import them itself.
 NOT_SHARED = ("wandb",)

@@ -1,10 +1,11 @@
 """``--rollout-mode async`` (paper §5.1, Table 2): rollout and training at the same time.
 
-An engine process (megamu.loop.async_worker) generates continuously into a durable queue of Parquet shards; the
-trainer takes ``--prompts-per-update`` groups per update in queue order, dropping (and counting) every group whose
-policy lag, trainer version − the version that generated it, exceeds ``--max-policy-lag``; every
-``--weight-sync-interval`` updates it exports θ as an HF folder and points the engine at it. In-flight requests at a
-sync finish on the old weights and keep their version (the engine reloads between shards).
+An engine process (megamu.loop.async_worker, driven through megamu.loop.engine_process) generates continuously into
+a durable queue of Parquet shards; the trainer takes ``--prompts-per-update`` groups per update in queue order,
+dropping (and counting) every group whose policy lag, trainer version − the version that generated it, exceeds
+``--max-policy-lag``; every ``--weight-sync-interval`` updates it exports θ as an HF folder and points the engine at
+it. In-flight requests at a sync finish on the old weights and keep their version (the engine reloads between
+shards).
 
 Resume: the queue cursor (groups consumed, trained or dropped), the drop count and the idle/busy times travel in the
 checkpoint (``RunState.queue``), so a resumed run continues at the first group the checkpointed weights never
@@ -14,202 +15,50 @@ which group depends on the engine's timing, so an async run is not bitwise repro
 
 from __future__ import annotations
 
-import os
-import pickle
-import subprocess
-import sys
 import time
-from pathlib import Path
-
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from megamu import parallel
-from megamu.data.prompts import PromptRecord, stop_token_ids
-from megamu.engines import EngineConfig, build_engine
-from megamu.loop.async_worker import (
-    CONFIG,
-    CONSUMED,
-    LOADED,
-    LOG,
-    WEIGHTS,
-    WorkerConfig,
-    read_json,
-    stored_shards,
-    write_json,
-)
+from megamu.data.prompts import stop_token_ids
+from megamu.engines import build_engine
+from megamu.loop.engine_process import EngineProcess
 from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
-from megamu.loop_config import AsyncConfig
-from megamu.metrics import MetricsLogger
-from megamu.records import RolloutSample
-from megamu.rollout import RolloutConfig
-from megamu.rollout.dataset import shard_name, table_to_samples
-from megamu.run_dir import RunDir
-from megamu.weights import Weights
 
-WAIT_POLL_S = 0.02  # the trainer's poll while waiting for a shard: short, the wait is the idle time it measures
+if TYPE_CHECKING:
+    from megamu.loop.trainer import Trainer
 
 
-class EngineProcessError(RuntimeError):
-    """The engine process died: the message has its exit code and the tail of its log."""
-
-
-class EngineProcess:
-    """The trainer's side of the engine process: start it, take batches from its queue, point it at new weights."""
-
-    def __init__(self, cfg: AsyncConfig, rollout: RolloutConfig, engine: EngineConfig, run_dir: RunDir, tokenizer,
-                 metrics: MetricsLogger, *, max_policy_lag: int, queue: QueueCursor):
-        self.cfg, self.rollout, self.engine, self.run_dir = cfg, rollout, engine, run_dir
-        self.tokenizer, self.metrics, self.max_policy_lag = tokenizer, metrics, max_policy_lag
-        self.queue = queue  # the run state's cursor: checkpoints carry it
-        self.queue_dir = run_dir.async_queue
-        self.proc: subprocess.Popen | None = None
-        self._shard: tuple[int, list[RolloutSample]] | None = None  # the last shard read
-        self._last_return: float | None = None
-
-    def start(self, weights: Weights, train_prompts: list[PromptRecord]) -> None:
-        """Start the engine process on ``weights`` (an HF folder); it resumes the queue after its last stored shard."""
-        if not parallel.is_main_rank():
-            return
-        self.queue_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.queue_dir / WEIGHTS, {"version": weights.version, "hf_dir": str(weights.hf_dir)})
-        write_json(self.queue_dir / CONSUMED, {"position": self.queue.cursor})
-        c, r = self.cfg, self.rollout
-        worker = WorkerConfig(
-            queue_dir=self.queue_dir, engine=self.engine, prompts=train_prompts, seed=r.seed,
-            sampling=r.sampling(0, stop_token_ids(self.tokenizer)), n_samples=r.n_samples,
-            groups_per_shard=r.groups_per_shard, capacity_groups=c.queue_groups, tokenizer=self.tokenizer,
-            reward=r.reward, parent_pid=os.getpid(), threads=c.worker_threads)
-        (self.queue_dir / CONFIG).write_bytes(pickle.dumps(worker))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if c.worker_threads:  # CPU: the two processes share the cores; idle OpenMP threads must sleep, not spin
-            env.update(OMP_NUM_THREADS=str(c.worker_threads), OMP_WAIT_POLICY="PASSIVE")
-        if c.rollout_devices:  # GPU: the engine's servers see only the rollout GPUs
-            env["CUDA_VISIBLE_DEVICES"] = c.rollout_devices
-        with open(self.queue_dir / LOG, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "megamu.loop.async_worker", str(self.queue_dir)],
-                                         env=env, stdout=log, stderr=subprocess.STDOUT)
-        print(f"[async] engine process {self.proc.pid} started on version {weights.version}; queue cursor "
-              f"{self.queue.cursor}; log {self.queue_dir / LOG}", flush=True)
-
-    def next_batch(self, version: int, groups: int) -> tuple[list[RolloutSample], dict]:
-        """The next ``groups`` groups with lag ≤ K (older ones dropped and counted) and the update's queue metrics."""
-        q, now = self.queue, time.monotonic()
-        if self._last_return is not None:
-            q.busy_s += now - self._last_return
-        payload = None
-        if parallel.is_main_rank():
-            start, taken, lags, idle = q.cursor, [], [], 0.0
-            while len(taken) < groups:
-                group, waited = self._group_at(q.cursor)
-                idle += waited
-                q.cursor += 1
-                lag = version - group[0].policy_version
-                if lag > self.max_policy_lag:
-                    q.dropped_stale += len(group)
-                    continue
-                taken.append(q.cursor - 1)
-                lags += [lag] * len(group)
-            q.idle_s += idle
-            write_json(self.queue_dir / CONSUMED, {"position": q.cursor})
-            per = self.rollout.groups_per_shard
-            stored = stored_shards(self.queue_dir, start=q.cursor // per) * per
-            engine_version = (read_json(self.queue_dir / LOADED) or {}).get("version")
-            payload = (taken, (q.cursor, q.dropped_stale, q.idle_s, q.busy_s), dict(
-                policy_lag_mean=sum(lags) / len(lags), policy_lag_max=max(lags), trainer_idle_s=idle,
-                idle_ratio=q.idle_s / max(q.idle_s + q.busy_s, 1e-9), queue_depth=stored - q.cursor,
-                dropped_stale=q.dropped_stale, queue_from=start, queue_to=q.cursor,
-                engine_version=engine_version))
-        # rank 0 may wait long for the engine: the other ranks wait on the CPU group, not in an NCCL collective
-        taken, counters, fields = parallel.broadcast_object(payload, wait=True)
-        q.cursor, q.dropped_stale, q.idle_s, q.busy_s = counters
-        samples = [s for pos in taken for s in self._group_at(pos)[0]]
-        self._last_return = time.monotonic()
-        return samples, fields
-
-    def publish(self, weights: Weights, update: int, t_start: float) -> None:
-        """Point the engine at ``weights`` (an HF folder) and log a "sync" record timed from ``t_start`` (before the
-        export). Never waits for the engine (rank 0)."""
-        if not parallel.is_main_rank():
-            return
-        write_json(self.queue_dir / WEIGHTS, {"version": weights.version, "hf_dir": str(weights.hf_dir)})
-        # the engine never goes back to a version older than the one it serves now
-        self.run_dir.prune_sync_exports(below=(read_json(self.queue_dir / LOADED) or {}).get("version", -1),
-                                        keep=weights.hf_dir)
-        self.metrics.log("sync", step=update, update=update, version=weights.version,
-                         t_sync=time.monotonic() - t_start, in_flight="finish_on_old_weights")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    # -- internals (rank 0 waits for the engine; every rank reads the shared queue directory)
-    def _group_at(self, position: int) -> tuple[list[RolloutSample], float]:
-        """The group at ``position`` and the seconds spent waiting for its shard."""
-        per = self.rollout.groups_per_shard
-        index, t0 = position // per, time.monotonic()
-        if self._shard is None or self._shard[0] != index:
-            path = self.queue_dir / shard_name(index)
-            if not path.exists():  # the engine must see every group passed (dropped ones too), or it may wait for us
-                write_json(self.queue_dir / CONSUMED, {"position": position})
-            while not path.exists():
-                self._check_engine(path)
-                time.sleep(WAIT_POLL_S)
-            self._shard = (index, table_to_samples(pq.read_table(path)))
-        g, row = self.rollout.n_samples, (position % per) * self.rollout.n_samples
-        return self._shard[1][row : row + g], time.monotonic() - t0
-
-    def _check_engine(self, waiting_for: Path) -> None:
-        if self.proc is None or self.proc.poll() is None:
-            return
-        code, self.proc = self.proc.returncode, None
-        log = self.queue_dir / LOG
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
-        raise EngineProcessError(
-            f"the async engine process exited with code {code} while the trainer waited for {waiting_for}; every "
-            f"stored shard is kept: rerun the same command to resume. Last lines of {log}:\n{tail}")
-
-
-def train_async(run) -> None:
+def train_async(trainer: Trainer) -> None:
     """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
-    cfg, plan, policy, run_dir = run.cfg, run.plan, run.policy, run.run_dir
-    run.state.queue = run.state.queue or QueueCursor()
-    engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, run.tokenizer, run.metrics,
-                           max_policy_lag=plan.max_policy_lag, queue=run.state.queue)
-    if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline: same names, other
-        run_dir.prune_sync_exports()  # weights
+    cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
+    trainer.state.queue = trainer.state.queue or QueueCursor()
+    engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, trainer.tokenizer, trainer.metrics,
+                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=trainer.mode)
+    if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline
+        trainer.mode.prune_before_start(run_dir)
     parallel.wait_for_main_rank()
-    engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), run.prompts.train)  # θ_t, collective
-    bar = run.progress_bar("optimise (async)", total=plan.total_updates, initial=run.state.update)
-    interval = cfg.save_interval
-    for update in range(run.state.update, plan.total_updates):
+    engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), trainer.prompts.train)  # θ_t, collective
+    bar = trainer.progress_bar("optimise (async)", total=plan.total_updates, initial=trainer.state.update)
+    for update in range(trainer.state.update, plan.total_updates):
         samples, fields = engine.next_batch(policy.version, plan.prompts_per_update)  # lag ≤ K; older dropped
         done = update + 1
-        last = done == plan.total_updates
-        run.train_on(samples, 0, bar, log=last or done % cfg.log_interval == 0,
-                     save=last or bool(interval and done % interval == 0), **fields)
+        trainer.train_on(samples, bar, **fields)  # logged and checkpointed as the Trainer's cadence says
         if done % plan.weight_sync_interval == 0 and done < plan.total_updates:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)
     bar.close()
-    final = run.export_final()  # collective: before rank 0 alone stops the engine process
+    final = trainer.export_final()  # collective: before rank 0 alone stops the engine process
     engine.stop()  # the engine process's memory is free for the evaluation's engine
-    if parallel.is_main_rank() and run.prompts.eval_sets:
+    if parallel.is_main_rank() and trainer.prompts.eval_sets:
         from megamu.reward import make_scorer
 
         evaluator, scorer = build_engine(cfg.engine, final.hf_dir), make_scorer(cfg.rollout.reward)
         try:
             # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
-            evaluate_sets(evaluator, run.prompts.eval_sets, cfg.rollout.sampling(1, stop_token_ids(run.tokenizer)),
-                          cfg.evaluation, scorer, run.tokenizer, run.metrics, stage=1, update=run.state.update,
-                          label="final")
+            sampling = cfg.rollout.sampling(1, stop_token_ids(trainer.tokenizer))
+            evaluate_sets(evaluator, trainer.prompts.eval_sets, sampling, cfg.evaluation, scorer, trainer.tokenizer,
+                          trainer.metrics, stage=1, update=trainer.state.update, label="final")
         finally:
             evaluator.shutdown()
             scorer.close()

@@ -3,23 +3,29 @@
 Each stage k: θ_k is published to the engine as β_k, the trainer offloads, rank 0's engine generates the static
 dataset D_k, the trainer onloads, the stage's HF export is pruned, and μ updates run on D_k. How the engine lives
 across stages (restarted each stage, or kept up and refreshed in place) is its lifecycle's business
-(megamu.engines.lifecycle), chosen once from the mode and the engine's config: this loop has no mode branch.
+(megamu.engines.lifecycle), chosen once by the mode (megamu.mode) for the engine's config: this loop has no mode
+branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
+Trainer's (megamu.loop.trainer), as its mode says.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from megamu import parallel
 from megamu.algo.dapo import OverlongShaping
 from megamu.data.prompts import stop_token_ids
-from megamu.engines.lifecycle import EngineLifecycle, make_lifecycle
+from megamu.engines.lifecycle import EngineLifecycle
 from megamu.loop.heldout import evaluate_sets
 from megamu.reward import make_scorer
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.dynamic import run_dynamic_rollout
 from megamu.rollout.phase import run_rollout_phase
+
+if TYPE_CHECKING:
+    from megamu.loop.trainer import Trainer
 
 PROBE_TOKENS = 32  # tokens whose teacher-forced log-probs check each SGLang push (``probe_tokens``)
 PROBE_PROMPTS = 4
@@ -37,15 +43,15 @@ def probe_tokens(held_out: list, train: list) -> list[int] | None:
     return ids if len(ids) > 1 else None
 
 
-def train_staged(run) -> None:
+def train_staged(trainer: Trainer) -> None:
     """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
-    cfg, plan, policy, run_dir, held_out = run.cfg, run.plan, run.policy, run.run_dir, run.prompts.held_out
-    engine = make_lifecycle(plan.rollout_mode, cfg.engine, run.metrics.log,
-                            probe_ids=probe_tokens(held_out, run.prompts.train))
+    cfg, plan, policy, run_dir, mode = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir, trainer.mode
+    probe_ids = probe_tokens(trainer.prompts.held_out, trainer.prompts.train)
+    engine = mode.lifecycle(cfg.engine, trainer.metrics.log, probe_ids=probe_ids)  # how it lives across stages
     if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now
-        run_dir.prune_done_stage_exports()
+        mode.prune_before_start(run_dir)
     scorer, t_eval = make_scorer(cfg.rollout.reward) if parallel.is_main_rank() else None, 0.0
-    for stage in range(run.state.stage, plan.num_stages):
+    for stage in range(trainer.state.stage, plan.num_stages):
         done = run_dir.stage_done(stage)
         parallel.wait_for_main_rank()  # every rank has looked before rank 0 can write D_k: all take the same branch
         # (on the CPU group: before stage 0, rank 0 alone prunes a killed run's exports and starts the reward pool)
@@ -55,65 +61,66 @@ def train_staged(run) -> None:
             t1 = time.perf_counter()
             engine.start(stage)  # 3. β_k up (every rank: SGLang servers may start on every node)
             if parallel.is_main_rank():  # rank 0 writes D_k
-                rollout(run, engine, scorer, stage)
-            if stage == 0 or cfg.evaluation.due(run.state.update):  # on the engine that holds θ_k (--eval-interval)
-                label = "base" if stage == 0 else f"update {run.state.update}"
-                t_eval = evaluate(run, engine, scorer, stage, label) or t_eval
+                rollout(trainer, engine, scorer, stage)
+            if stage == 0 or cfg.evaluation.due(trainer.state.update):  # on the engine that holds θ_k (--eval-interval)
+                label = "base" if stage == 0 else f"update {trainer.state.update}"
+                t_eval = evaluate(trainer, engine, scorer, stage, label) or t_eval
             engine.offload()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
-            if parallel.is_main_rank() and stage != engine.launch_stage:  # 6. D_k is durable: hf/stage_k goes
-                run_dir.prune_stage_export(stage)  # (not the one servers launched from: their restarts load it)
+            if parallel.is_main_rank():  # 6. D_k is durable: hf/stage_k goes (not one servers launched from)
+                mode.prune_after_rollout(run_dir, stage, engine_keeps_it=engine.keeps_export(stage))
             parallel.wait_for_main_rank()
         t2 = time.perf_counter()
         dataset = StageDataset(run_dir.stage_rollouts(stage))
-        optimise(run, stage, dataset, t_eval, engine.stage_end_checkpoints)  # 7. μ updates on the static D_k
-        run.log_stage(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
-    final_evaluation(run, engine, scorer)
+        optimise(trainer, stage, dataset, t_eval)  # 7. μ updates on the static D_k
+        trainer.stage_done(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
+    final_evaluation(trainer, engine, scorer)
     engine.stop()
-    if engine.launch_stage is not None and parallel.is_main_rank():
-        run_dir.prune_stage_export(engine.launch_stage)
+    if parallel.is_main_rank():
+        mode.prune_at_end(run_dir)
     if scorer is not None:
         scorer.close()
 
 
-def rollout(run, engine: EngineLifecycle, scorer, stage: int) -> None:
+def rollout(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int) -> None:
     """D_k: the stage's prompts generated and scored, with DAPO's overlong shaping and dynamic sampling if on."""
-    cfg, algo = run.cfg, run.cfg.algo
+    cfg, algo = trainer.cfg, trainer.cfg.algo
     overlong = OverlongShaping(cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor) \
         if algo.overlong_buffer is not None else None
-    kwargs = dict(sampling=sampling(run, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
-                  tokenizer=run.tokenizer, stage=stage, policy_version=run.policy.version,
+    kwargs = dict(sampling=sampling(trainer, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
+                  tokenizer=trainer.tokenizer, stage=stage, policy_version=trainer.policy.version,
                   groups_per_shard=cfg.rollout.groups_per_shard, shards_per_call=cfg.rollout.shards_per_call,
-                  model_path=str(engine.hf_dir or ""), overlong=overlong)
-    out = run.run_dir.stage_rollouts(stage)
+                  model_path=str(engine.served_folder() or ""), overlong=overlong)
+    out = trainer.run_dir.stage_rollouts(stage)
     if algo.dynamic_sampling:
-        run_dynamic_rollout(engine.engine, lambda r: run.prompts.for_sampling_round(stage, r), out,
+        run_dynamic_rollout(engine.serving(), lambda r: trainer.prompts.for_sampling_round(stage, r), out,
                             max_rounds=algo.max_sampling_rounds, **kwargs)
     else:
-        run_rollout_phase(engine.engine, run.prompts.for_stage(stage), out, **kwargs)
+        run_rollout_phase(engine.serving(), trainer.prompts.for_stage(stage), out, **kwargs)
 
 
-def sampling(run, stage: int):
-    return run.cfg.rollout.sampling(stage, stop_token_ids(run.tokenizer))
+def sampling(trainer: Trainer, stage: int):
+    return trainer.cfg.rollout.sampling(stage, stop_token_ids(trainer.tokenizer))
 
 
-def evaluate(run, engine: EngineLifecycle, scorer, stage: int, label: str, weights=None) -> float | None:
+def evaluate(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int, label: str, weights=None) -> float | None:
     """The evaluation sets scored (rank 0) on the engine holding θ, or with ``weights`` (an HF folder) loaded first;
     the seconds it took, for the run's ETA (None: nothing evaluated here)."""
-    if not (parallel.is_main_rank() and run.prompts.eval_sets):
+    if not (parallel.is_main_rank() and trainer.prompts.eval_sets):
         return None
-    return evaluate_sets(engine.eval_engine(weights), run.prompts.eval_sets, sampling(run, stage), run.cfg.evaluation,
-                         scorer, run.tokenizer, run.metrics, stage=stage, update=run.state.update, label=label)
+    return evaluate_sets(engine.eval_engine(weights), trainer.prompts.eval_sets, sampling(trainer, stage),
+                         trainer.cfg.evaluation, scorer, trainer.tokenizer, trainer.metrics, stage=stage,
+                         update=trainer.state.update, label=label)
 
 
-def final_evaluation(run, engine: EngineLifecycle, scorer) -> None:
+def final_evaluation(trainer: Trainer, engine: EngineLifecycle, scorer) -> None:
     """The final policy exported (collective, while every rank holds its weights), then held-out: the servers that
     evaluate it take their weights and KV cache back, or start, only once the trainer has given the device back."""
-    final = run.export_final()
-    run.policy.offload()
-    evaluate(run, engine, scorer, run.plan.num_stages, "final", final)
-    run.policy.onload()  # the spilled optimiser state comes back (and its spill files go) before the run's end
+    final = trainer.export_final()
+    trainer.policy.offload()
+    evaluate(trainer, engine, scorer, trainer.plan.num_stages, "final", final)
+    trainer.policy.onload()  # the spilled optimiser state comes back (and its spill files go) before the run's end
 
 
 def publish(policy, engine: EngineLifecycle, stage: int, export_dir) -> None:
@@ -131,33 +138,20 @@ def publish(policy, engine: EngineLifecycle, stage: int, export_dir) -> None:
     engine.onload()  # colocated: the servers' KV cache comes back
 
 
-def optimise(run, stage: int, dataset: StageDataset, t_eval: float, stage_end_checkpoints: bool) -> None:
+def optimise(trainer: Trainer, stage: int, dataset: StageDataset, t_eval: float) -> None:
     """μ updates on the static dataset D_k, resuming at the checkpoint's update; an ETA line after the first."""
-    cfg, plan, state = run.cfg, run.plan, run.state
+    cfg, plan, state = trainer.cfg, trainer.plan, trainer.state
     start = state.update - stage * plan.mu
     batches = dataset.minibatches(plan.prompts_per_update, seed=cfg.seed + stage, start_update=start,
                                   num_updates=plan.mu)
-    anchors = run.policy.behaviour_anchors(dataset.samples(), dataset.dir / "recomputed_logprobs.pt") \
+    anchors = trainer.policy.behaviour_anchors(dataset.samples(), dataset.dir / "recomputed_logprobs.pt") \
         if cfg.recompute_behaviour_logprobs else None
-    bar = run.progress_bar(f"optimise stage {stage}", total=plan.mu, initial=start)
+    bar = trainer.progress_bar(f"optimise stage {stage}", total=plan.mu, initial=start)
     for samples in batches:
         if anchors is not None:
             samples = [replace(s, behaviour_logprobs=anchors[(s.prompt_id, s.sample_index)]) for s in samples]
         t0 = time.perf_counter()
-        in_stage = state.update + 1 - stage * plan.mu  # after this update
-        log = in_stage % cfg.log_interval == 0 or in_stage == plan.mu  # every --log-interval and the stage's last
-        run.train_on(samples, stage, bar, log=log, save=checkpoint_due(run, in_stage, stage_end_checkpoints))
-        if not run.eta_shown:
-            run.show_eta(stage, time.perf_counter() - t0, dataset.manifest.t_rollout_s, t_eval)
+        trainer.train_on(samples, bar)  # logged and checkpointed as the Trainer's cadence says
+        if not trainer.eta_shown:
+            trainer.show_eta(stage, time.perf_counter() - t0, dataset.manifest.t_rollout_s, t_eval)
     bar.close()
-    state.stage = stage + 1
-
-
-def checkpoint_due(run, in_stage: int, stage_end_checkpoints: bool) -> bool:
-    """Every --save-interval updates of a stage and at each stage's end (a resume then skips the stage); an engine
-    refreshed every μ (= 4) updates (colocated): every --save-interval updates of the run and at its end, not at
-    each refresh (1024 checkpoints in the paper's GRPO baseline)."""
-    plan, interval, update = run.plan, run.cfg.save_interval, run.state.update + 1
-    if stage_end_checkpoints:
-        return in_stage == plan.mu or bool(interval and in_stage % interval == 0)
-    return update == plan.total_updates or bool(interval and update % interval == 0)

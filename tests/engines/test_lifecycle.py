@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from megamu.engines import EngineConfig, SGLangConfig
-from megamu.engines.lifecycle import ColocatedLocal, RestartEachStage, make_lifecycle
+from megamu.engines.lifecycle import ColocatedLocal, RestartEachStage
 from megamu.engines.lifecycle import base as lifecycle_base
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.engines.sglang.weight_sync import SyncReport
 from megamu.engines.types import GenerateRequest, SamplingParams
+from megamu.mode import ASYNC, COLOCATED, STAGED, mode_of
 from megamu.weights import LogprobProbe, Weights
 
 PROBE = LogprobProbe(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25], tolerance=0.01)
@@ -79,14 +80,14 @@ def run_stages(lifecycle, stages, probe: LogprobProbe | None = None, first: int 
         lifecycle.update_weights(weights, k)
         lifecycle.onload()
         lifecycle.start(k)
-        lifecycle.engine.generate([])
+        lifecycle.serving().generate([])
         lifecycle.offload()
     return asked
 
 
 def test_staged_mode_starts_an_engine_on_each_stage_folder_and_stops_it_after_the_rollout(calls):
-    lifecycle = make_lifecycle("staged", EngineConfig())
-    assert isinstance(lifecycle, RestartEachStage) and lifecycle.stage_end_checkpoints
+    lifecycle = STAGED.lifecycle(EngineConfig())
+    assert isinstance(lifecycle, RestartEachStage)
     asked = run_stages(lifecycle, 3)
     assert all(w.folder and not w.tensors for w in asked)
     assert calls == [("start", f"stage_{k}") if i == 0 else c for k in range(3)
@@ -98,8 +99,8 @@ def test_staged_mode_starts_an_engine_on_each_stage_folder_and_stops_it_after_th
 
 
 def test_colocated_local_starts_once_then_pushes_tensors(calls):
-    lifecycle = make_lifecycle("colocated", EngineConfig())
-    assert isinstance(lifecycle, ColocatedLocal) and not lifecycle.stage_end_checkpoints
+    lifecycle = COLOCATED.lifecycle(EngineConfig())
+    assert isinstance(lifecycle, ColocatedLocal)
     asked = run_stages(lifecycle, 3)
     assert [(w.folder, w.tensors) for w in asked] == [(True, False), (False, True), (False, True)]
     assert calls == [("start", "stage_0"), ("generate",), ("push", "tensors", 4, None), ("generate",),
@@ -110,7 +111,7 @@ def test_colocated_local_starts_once_then_pushes_tensors(calls):
 
 def test_colocated_local_resumed_mid_run_starts_from_the_stage_folder(calls):
     """A resumed run's lifecycle is new: its first stage starts the engine from that stage's export."""
-    asked = run_stages(make_lifecycle("colocated", EngineConfig()), 2, first=2)
+    asked = run_stages(COLOCATED.lifecycle(EngineConfig()), 2, first=2)
     assert [w.folder for w in asked] == [True, False]
     assert calls[:3] == [("start", "stage_2"), ("generate",), ("push", "tensors", 12, None)]
 
@@ -121,9 +122,9 @@ def sglang_cfg(**kw) -> EngineConfig:
 
 def test_colocated_sglang_releases_memory_and_probes_each_push_once_the_kv_cache_is_back(calls):
     logged = []
-    lifecycle = make_lifecycle("colocated", sglang_cfg(memory_saver=True, weight_sync="memory"),
+    lifecycle = COLOCATED.lifecycle(sglang_cfg(memory_saver=True, weight_sync="memory"),
                                log=lambda kind, **f: logged.append((kind, f)), probe_ids=[1, 2, 3])
-    assert isinstance(lifecycle, ColocatedSGLang) and not lifecycle.stage_end_checkpoints
+    assert isinstance(lifecycle, ColocatedSGLang)
     asked = run_stages(lifecycle, 3, probe=PROBE)
     assert [(w.folder, w.tensors, w.probe_ids) for w in asked] == [(True, False, None), (False, True, [1, 2, 3]),
                                                                    (False, True, [1, 2, 3])]
@@ -134,7 +135,8 @@ def test_colocated_sglang_releases_memory_and_probes_each_push_once_the_kv_cache
                      *[("push", "tensors", 4 * k, None) if c is None else c for k in (1, 2) for c in refresh]]
     assert [(k, f["stage"], f["weight_version"], f["probe_mean_abs_diff"]) for k, f in logged] == \
         [("sync", 1, "4", 0.0), ("sync", 2, "8", 0.0)]
-    assert lifecycle.launch_stage == 0  # servers megamu launched from stage 0's export: it is kept until the end
+    # servers megamu launched from stage 0's export: their restarts load it, so it is kept until the end
+    assert [lifecycle.keeps_export(k) for k in range(3)] == [True, False, False]
     lifecycle.stop()
     assert calls[-1] == ("shutdown",)
 
@@ -142,25 +144,26 @@ def test_colocated_sglang_releases_memory_and_probes_each_push_once_the_kv_cache
 def test_colocated_sglang_disk_sync_on_given_servers_pushes_folders_and_probes_at_once(calls):
     """Servers someone else runs (--sglang-url), without the memory saver: the probe runs with the push."""
     logged = []
-    lifecycle = make_lifecycle("colocated", sglang_cfg(urls=("http://given",)),
+    lifecycle = COLOCATED.lifecycle(sglang_cfg(urls=("http://given",)),
                                log=lambda kind, **f: logged.append(kind), probe_ids=[1])
     run_stages(lifecycle, 2, probe=PROBE)
     assert calls == [("start", "stage_0"), ("generate",), ("push", "stage_1", 4, "probe"), ("generate",)]
-    assert logged == ["sync"] and lifecycle.launch_stage is None
+    assert logged == ["sync"] and not any(lifecycle.keeps_export(k) for k in range(2))
 
 
 def test_colocated_sglang_resumed_mid_run_starts_from_the_stage_folder_and_evaluates_after_a_push(calls):
-    lifecycle = make_lifecycle("colocated", sglang_cfg(memory_saver=True))
+    lifecycle = COLOCATED.lifecycle(sglang_cfg(memory_saver=True))
     run_stages(lifecycle, 1, first=3)
-    assert calls[0] == ("start", "stage_3") and lifecycle.launch_stage == 3
+    assert calls[0] == ("start", "stage_3") and lifecycle.keeps_export(3) and not lifecycle.keeps_export(0)
     calls.clear()
     lifecycle.eval_engine(Weights(version=16, hf_dir=Path("final")))  # the final evaluation, on the same servers
     assert calls == [("resume", ("weights",)), ("push", "final", 16, None), ("resume", ("kv_cache", "cuda_graph"))]
 
 
-def test_unknown_mode_is_refused():
+def test_async_mode_has_no_stage_lifecycle():
+    """Its engine is a process of its own (megamu.loop.engine_process.EngineProcess), which the async loop starts."""
     with pytest.raises(ValueError, match="async"):
-        make_lifecycle("async", EngineConfig())
+        ASYNC.lifecycle(EngineConfig())
 
 
 def greedy(engine, prompt: list[int]) -> list[int]:
@@ -171,7 +174,7 @@ def greedy(engine, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("mode", ["staged", "colocated"])
 def test_the_local_engine_serves_each_stage_weights(mode, tiny_llama, tiny_llama_2):
     """Stage k's rollout is generated by θ_k: two stages on two different models, checked against fresh engines."""
-    lifecycle, prompt = make_lifecycle(mode, EngineConfig()), [5, 9, 2, 7]
+    lifecycle, prompt = mode_of(mode).lifecycle(EngineConfig()), [5, 9, 2, 7]
     expected = [greedy(LocalEngine(d), prompt) for d in (tiny_llama, tiny_llama_2)]
     assert expected[0] != expected[1]  # the two models tell apart which one generated
     for k, folder in enumerate((tiny_llama, tiny_llama_2)):
@@ -180,7 +183,7 @@ def test_the_local_engine_serves_each_stage_weights(mode, tiny_llama, tiny_llama
         lifecycle.update_weights(Weights(version=k, hf_dir=Path(folder) if want.folder else None, tensors=tensors), k)
         lifecycle.onload()
         lifecycle.start(k)
-        assert greedy(lifecycle.engine, prompt) == expected[k]
+        assert greedy(lifecycle.serving(), prompt) == expected[k]
         lifecycle.offload()
     lifecycle.stop()
     assert lifecycle.engine is None

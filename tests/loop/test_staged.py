@@ -16,6 +16,7 @@ from megamu.engines.local import LocalEngine
 from megamu.loop.heldout import EvalConfig
 from megamu.loop.staged import train_staged
 from megamu.loop.state import RunState
+from megamu.mode import mode_of
 from megamu.reward.config import RewardConfig
 from megamu.rollout import RolloutConfig
 from megamu.run_dir import RunDir
@@ -52,7 +53,8 @@ class FakePolicy:
 
 
 class FakeRun:
-    """What train_staged reads of megamu.loop.run.Run; updates and stage records are recorded, not trained."""
+    """What train_staged reads of megamu.loop.trainer.Trainer; updates and stage records are recorded, not trained:
+    an update saves when the mode's cadence says (as the Trainer asks it), the stage counter moves at stage_done."""
 
     def __init__(self, mode: str, root: Path, model: Path, num_stages: int, state: RunState, events: list):
         tok = build_char_tokenizer()
@@ -62,7 +64,8 @@ class FakeRun:
             log_interval=1, save_interval=0,
             rollout=RolloutConfig(n_samples=2, seed=1234, max_new_tokens=4, groups_per_shard=2,
                                   reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1)))
-        self.plan = SimpleNamespace(rollout_mode=mode, num_stages=num_stages, mu=MU, prompts_per_update=2,
+        self.mode = mode_of(mode)
+        self.plan = SimpleNamespace(num_stages=num_stages, mu=MU, prompts_per_update=2,
                                     total_updates=num_stages * MU)
         prompts = make_prompts(tok)
         self.prompts = SimpleNamespace(held_out=prompts[PROMPTS:], eval_sets={"held-out": prompts[PROMPTS:]},
@@ -71,14 +74,16 @@ class FakeRun:
         self.metrics = SimpleNamespace(log=lambda kind, **f: kind == "eval" and events.append((kind, f["label"])))
         self.eta_shown, self.events = True, events
 
-    def train_on(self, samples, stage, bar, *, log, save):
+    def train_on(self, samples, bar):
         self.state.update += 1
+        save = self.mode.checkpoint_due(self.state.update, MU, self.plan.total_updates, self.cfg.save_interval)
         self.events.append(("update", self.state.update, "save" if save else ""))
 
     def progress_bar(self, desc, total, initial):
         return SimpleNamespace(close=lambda: None)
 
-    def log_stage(self, stage, dataset, **times):
+    def stage_done(self, stage, dataset, **times):
+        self.state.stage = stage + 1
         self.events.append(("stage", stage, dataset.num_groups,
                             sorted(p.name for p in self.run_dir.stage_export(0).parent.glob("stage_*"))))
 

@@ -1,4 +1,4 @@
-"""The async trainer's side of the durable queue (megamu.loop.async_) on hand-written shards: no engine, no
+"""The async trainer's side of the durable queue (megamu.loop.engine_process) on hand-written shards: no engine, no
 model, so lags and drops are chosen here and checked exactly."""
 
 import subprocess
@@ -9,11 +9,12 @@ import pytest
 
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
-from megamu.loop.async_ import EngineProcess, EngineProcessError
 from megamu.loop.async_worker import CONSUMED, LOG, prompts_at, read_json
+from megamu.loop.engine_process import EngineProcess, EngineProcessError
 from megamu.loop.state import QueueCursor
 from megamu.loop_config import AsyncConfig
 from megamu.metrics import MetricsLogger
+from megamu.mode import ASYNC
 from megamu.records import RolloutSample
 from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import write_shard
@@ -33,7 +34,7 @@ def make_rollout(tmp_path, versions: list[int], max_lag: int, queue: QueueCursor
     rollout = EngineProcess(AsyncConfig(queue_groups=4),
                             RolloutConfig(n_samples=G, seed=0, max_new_tokens=64, groups_per_shard=PER_SHARD),
                             EngineConfig(), RunDir(tmp_path), None, MetricsLogger(str(tmp_path), None, enabled=False),
-                            max_policy_lag=max_lag, queue=queue or QueueCursor())
+                            max_policy_lag=max_lag, queue=queue or QueueCursor(), mode=ASYNC)
     rollout.queue_dir.mkdir(parents=True)
     for k in range(len(versions) // PER_SHARD):
         write_shard(rollout.queue_dir, k, [group(q, versions[q]) for q in range(k * PER_SHARD, (k + 1) * PER_SHARD)])

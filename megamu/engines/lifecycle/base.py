@@ -12,7 +12,6 @@ from megamu import parallel
 from megamu.engines import Engine, EngineConfig, build_engine
 from megamu.weights import Weights
 
-LIFECYCLE_MODES = ("staged", "colocated")
 Log = Callable[..., None]  # MetricsLogger.log's shape: log(kind, step=..., **fields)
 
 
@@ -28,12 +27,7 @@ class WeightRequest:
 
 
 class EngineLifecycle(Protocol):
-    """An engine across the stages. ``engine`` is rank 0's engine (None elsewhere and while none is up)."""
-
-    engine: Engine | None
-    hf_dir: Path | None  # the folder of the weights the engine serves (or starts from), named in stage manifests
-    stage_end_checkpoints: bool  # the loop checkpoints at every stage's end (a resume then skips the stage)
-    launch_stage: int | None  # the stage whose HF export running servers were launched from: kept until stop()
+    """An engine across the stages, driven by verbs only: the loop reads none of its fields."""
 
     def wants(self) -> WeightRequest:
         """The weights ``update_weights`` takes next (the same on every rank)."""
@@ -49,6 +43,19 @@ class EngineLifecycle(Protocol):
 
     def start(self, stage: int) -> None:
         """The engine is up on β_k before the rollout phase (started now, or kept from an earlier stage)."""
+        ...
+
+    def serving(self) -> Engine:
+        """Rank 0, between ``start`` and ``offload``: the engine the rollout phase generates D_k on."""
+        ...
+
+    def served_folder(self) -> Path | None:
+        """The folder of the weights the engine serves (or started from), named in stage manifests."""
+        ...
+
+    def keeps_export(self, stage: int) -> bool:
+        """Whether running servers were launched from stage ``stage``'s HF export: their restarts load it, so it
+        stays until the run's end."""
         ...
 
     def eval_engine(self, weights: Weights | None = None) -> Engine:
@@ -67,14 +74,12 @@ class EngineLifecycle(Protocol):
 class LifecycleBase:
     """What every implementation shares: rank 0's engine, this node's servers, the folder the next start uses."""
 
-    stage_end_checkpoints = False
-
     def __init__(self, cfg: EngineConfig, log: Log | None = None, probe_ids: list[int] | None = None):
         self.cfg, self.log, self.probe_ids = cfg, log or (lambda *a, **k: None), probe_ids
         self.engine: Engine | None = None  # rank 0 only
         self.node = None  # SGLang on several ranks (``spread``): this node's servers, on its local rank 0 (nodes.py)
         self.hf_dir: Path | None = None  # the folder the next engine starts from
-        self.launch_stage: int | None = None
+        self.launch_stage: int | None = None  # the stage whose HF export running servers were launched from
         # SGLang servers megamu launches on several ranks (or behind a router): every node's local rank 0 starts its
         # node's servers once the trainer has offloaded, and rank 0 dispatches over all of them
         sglang = cfg.sglang
@@ -89,6 +94,15 @@ class LifecycleBase:
 
     def onload(self) -> None:
         pass
+
+    def serving(self) -> Engine:
+        return self.engine
+
+    def served_folder(self) -> Path | None:
+        return self.hf_dir
+
+    def keeps_export(self, stage: int) -> bool:
+        return stage == self.launch_stage
 
     def _launch(self) -> None:
         """A new engine on ``hf_dir``: with ``spread``, every rank takes part (collective, on the CPU group)."""
@@ -124,8 +138,6 @@ class LifecycleBase:
 
 class RestartEachStage(LifecycleBase):
     """Staged mode (§4): each stage's engine starts on θ_k's HF folder and stops once D_k is written."""
-
-    stage_end_checkpoints = True
 
     def start(self, stage: int) -> None:
         self._launch()

@@ -41,18 +41,8 @@ from megamu.engines.sglang.launch import (
 from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
+from megamu.engines.sglang.server_weights import ServerWeights
 from megamu.engines.sglang.transport import AsyncTransport
-from megamu.engines.sglang.weight_sync import (
-    ModelLayout,
-    WeightMismatch,
-    WeightSync,
-    check_pushable,
-    confirm_weights,
-    keep_for_restarts,
-    restore_weights,
-    sync_weights,
-    weights_restorable,
-)
 from megamu.engines.types import GeneratedSample, GenerateRequest, check_prompts, describe_request, sample_seed
 
 
@@ -78,7 +68,8 @@ class SGLangEngine:
         self.pool = ServerPool(cfg, cfg.api_key if cfg.api_key is not None else os.environ.get("SGLANG_API_KEY"))
         self._finalizer = weakref.finalize(self, stop_processes, self.pool.procs, cfg.shutdown_grace_s)
         self._transport = None
-        self.sync = WeightSync()  # the in-memory weight-sync group and the restore copy (weight_sync.py)
+        # what the servers serve, what every sync is checked against, what a restarted server gets back
+        self.weights = ServerWeights(self.pool, cfg, self.teacher_forced_logprobs)
         self.deterministic: bool | None = None  # do all servers honour sampling_seed? None: could not tell
         self.launched = not cfg.urls
         self.keeps = False  # watches and restarts its servers for a dispatcher on another rank (keep_alive)
@@ -106,14 +97,12 @@ class SGLangEngine:
             print("[sglang] deterministic inference is off (the default; --rollout-deterministic turns it on, at a "
                   "cost in speed): sampling_seed is ignored, so a resumed stage draws new samples for its missing "
                   "shards")
-        # What a restarted server must serve: its launch weights, or those of the last sync from a folder.
-        self.launch_version, self.weights_folder = self.weight_version, None
         self.pool.open_control()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._transport = AsyncTransport(headers)
         servers = [ServerState(u, i, self.pool.procs[i] if self.launched else None, logs[i] if logs else None)
                    for i, u in enumerate(self.urls)]
-        self._health = Supervisor(self.pool, self.sync, self, servers,
+        self._health = Supervisor(self.pool, self.weights.sync, self.weights, servers,
                                   Dispatcher([OVERSUBSCRIPTION * c for c in self.capacities]), self._transport)
         print(f"[sglang] sequences in flight per {'router' if self.routers else 'server'}: "
               + ", ".join(f"{u} {c}" for u, c in zip(self.urls, self.capacities)))
@@ -164,15 +153,7 @@ class SGLangEngine:
         first = infos[0] if infos else {}
         served = (first.get("model_info") or {}).get("model_path") or first.get("model_path") or model_path
         self.vocab_size = self.config.vocab_size or _served_vocab_size(served)
-        self.server_dtype = self.config.dtype if self.launched else first.get("dtype")
-        try:
-            self.layout = ModelLayout.from_folder(served) if served else None
-        except (WeightMismatch, OSError, ValueError):
-            self.layout = None  # a remote server's folder we cannot read: only the architecture is checked
-        versions = {str((i.get("model_info") or {}).get("weight_version")) for i in infos if i.get("model_info")}
-        if len(versions) > 1:
-            raise SGLangError(f"the servers run different weight versions {sorted(versions)}: sync them first")
-        self.weight_version = versions.pop() if versions else None
+        self.weights.read(infos, served, self.launched)  # also what a restarted server will load
 
     def refresh_capacities(self) -> None:
         """Ask the servers (a router: its workers) their capacities again."""
@@ -185,7 +166,7 @@ class SGLangEngine:
         if getattr(self, "_health", None) is not None:
             self._health.close()
             self._health = None
-        self.sync.close()
+        self.weights.close()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -229,10 +210,7 @@ class SGLangEngine:
         if len(results) != sp.n:
             raise SGLangError(f"{what}: expected {sp.n} samples, got {len(results)}")
         samples = [parse_sample(r, req.prompt_id, j, sp.stop_token_ids) for j, r in enumerate(results)]
-        stale = [s.weight_version for s in samples if self.weight_version and s.weight_version != self.weight_version]
-        if stale:  # samples must be from the weights of the last sync, which the trainer's importance ratio assumes
-            raise SGLangError(f"{what}: made by weight version {stale[0]}, but the servers were synced to "
-                              f"{self.weight_version}")
+        self.weights.check_samples(samples, what)
         return samples
 
     def keep_alive(self) -> None:
@@ -298,34 +276,37 @@ class SGLangEngine:
         pairs = (out.get("meta_info") or {}).get("input_token_logprobs") or []
         return [float(p[0]) for p in pairs[1:]]
 
-    # ---- weight sync -------------------------------------------------------------------------------------------
+    # ---- weight sync (ServerWeights' business; these are the Engine protocol's names for it) -----------------------
+    # the weights' state, read here (tests and the log name them on the engine)
+    sync = property(lambda self: self.weights.sync)
+    layout = property(lambda self: self.weights.layout)
+    server_dtype = property(lambda self: self.weights.server_dtype)
+
+    @property
+    def weight_version(self) -> str | None:
+        return self.weights.version
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:  # tests: samples of another version are refused
+        self.weights.version = version
+
     def update_weights(self, hf_dir: str | None = None, state_dict: dict | None = None, *, version=None,
                        probe=None):
         """Sync every server to new weights (an HF folder, or an HF-named state dict sent in memory); returns a
         SyncReport. Refused before anything is sent when the weights do not fit the running model; ``version`` (the
         policy version; default: one more than the last) is set on the servers and checked on every sample."""
-        return sync_weights(self, hf_dir, state_dict, version, probe)
+        return self.weights.update(hf_dir, state_dict, version, probe)
 
     def check_pushable(self, state_dict: dict) -> None:
         """Refuse in-memory weights that do not fit the running model, before anyone sends them."""
-        check_pushable(self, state_dict)
+        self.weights.check_pushable(state_dict)
 
     def pushed_by_ranks(self, state_dict: dict, version) -> None:
         """The trainer's ranks pushed ``state_dict`` to this node's servers themselves (rank_push.py): expect
         ``version`` on its samples, and keep the host copy a restarted server gets back."""
-        self.weight_version, self.weights_folder = str(version), None
-        keep_for_restarts(self, state_dict)
+        self.weights.pushed_by_ranks(state_dict, version)
 
     def adopt_weights(self, version, probe=None):
         """Weights that each node pushed to its own servers: every server must report ``version`` (it is then
         checked on every sample) and match the probe; returns a SyncReport (no bytes: others sent them)."""
-        return confirm_weights(self, version, probe)
-
-    def restore_weights(self, url: str) -> None:
-        """Server ``url`` (back from a restart) gets the weights of this engine's last sync, if it serves others."""
-        restore_weights(self, url)
-
-    def weights_restorable(self) -> bool:
-        """Whether a restarted server can be given the weights of this engine's last sync (health.py restarts only
-        then)."""
-        return weights_restorable(self)
+        return self.weights.confirm(version, probe)

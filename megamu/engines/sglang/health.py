@@ -109,10 +109,10 @@ class ServerState:
 class WeightRestorer(Protocol):
     """The weights a server back from a restart must serve: those of the engine's last sync (weight_sync.py)."""
 
-    def weights_restorable(self) -> bool:
+    def restorable(self) -> bool:
         """Whether they can be given to a restarted server (else it is not restarted)."""
 
-    def restore_weights(self, url: str) -> None:
+    def restore(self, url: str) -> None:
         """Give them to server ``url`` when it serves other weights; raises when it cannot."""
 
 
@@ -243,7 +243,7 @@ class Supervisor:
         if status >= 500 or st.alive or self.fatal is not None:
             return
         try:  # restarted from its launch folder, it may hold older weights than this engine pushed since
-            await asyncio.get_running_loop().run_in_executor(None, self.weights.restore_weights, st.url)
+            await asyncio.get_running_loop().run_in_executor(None, self.weights.restore, st.url)
         except (SGLangError, OSError, http.client.HTTPException, ValueError) as e:
             print(f"[sglang] server {st.url} answers again but cannot take requests: {e}", flush=True)
             return
@@ -293,7 +293,7 @@ class Supervisor:
             threading.Thread(target=self._abort, args=(st.url,), daemon=True).start()
         if self.fatal is not None:
             return
-        if st.proc is not None and self.weights.weights_restorable() and st.restarts < self.cfg.max_restarts:
+        if st.proc is not None and self.weights.restorable() and st.restarts < self.cfg.max_restarts:
             st.restarting = True
             st.restarts += 1
             future = asyncio.get_running_loop().run_in_executor(self._restarter, self._restart, i)
@@ -335,7 +335,7 @@ class Supervisor:
                 raise SGLangError("the engine is shutting down")
             st.proc, st.log = self.pool.relaunch(st.index, restart=st.restarts)
         wait_for_servers(self.pool.call, [st.url], [st.proc], [st.log], self.cfg.startup_timeout_s, given=False)
-        self.weights.restore_weights(st.url)  # samples of other weights than the last sync's would be refused
+        self.weights.restore(st.url)  # samples of other weights than the last sync's would be refused
         return time.monotonic() - t0
 
     def _restarted(self, i: int, future) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from megamu.engines.sglang.pool import ServerPool
-from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import buckets, flatten, send_tensors, transport
 from megamu.net import free_port
 from megamu.weights import LogprobProbe
@@ -181,7 +180,7 @@ class WeightGroup:
                     if isinstance(out, dict) and out.get("success") is False:
                         raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
                 sent += flat.numel()
-        finally:  # close the session even after a failed bucket (see sync_weights for what that leaves)
+        finally:  # close the session even after a failed bucket (see ServerWeights.update for what that leaves)
             pool.post_all("/end_weight_update", {}, "end weight update", urls)
         return sent
 
@@ -274,107 +273,13 @@ class SyncReport:
     probe_mean_abs_diff: float | None = None
 
 
-def sync_weights(engine, hf_dir, state_dict, version, probe: LogprobProbe | None) -> SyncReport:
-    """Check, send, verify: the body of SGLangEngine.update_weights."""
-    import time
-
-    if (hf_dir is None) == (state_dict is None):
-        raise ValueError("update_weights needs exactly one of hf_dir or state_dict")
-    t0 = time.monotonic()
-    if version is None:
-        version = int(engine.weight_version) + 1 if str(engine.weight_version).isdigit() else 1
-    version = str(version)
-    running = engine.layout
-    if hf_dir is not None:
-        new = ModelLayout.from_folder(hf_dir)
-        if running is not None:
-            check_layout(new, running, engine.server_dtype, f"weights in {hf_dir}")
-        engine.pool.post_all("/update_weights_from_disk",
-                             {"model_path": str(hf_dir), "flush_cache": True, "weight_version": version},
-                             f"weight update from {hf_dir}")
-        engine.layout, sent, mode = new, 0, "disk"
-        engine.sync.restore_tensors = None
-    else:
-        check_pushable(engine, state_dict)
-        try:
-            sent, mode = push_tensors(engine.pool, engine.sync, state_dict, version)
-        except BaseException:
-            # The servers may hold part of the new weights under the old version: expect a version no server
-            # reports, so every sample generated before a successful sync is refused.
-            engine.weight_version = f"{version} (incomplete sync)"
-            raise
-        keep_for_restarts(engine, state_dict)
-    report = confirm_weights(engine, version, probe, folder=hf_dir)
-    return SyncReport(mode, time.monotonic() - t0, version, sent, report.probe_mean_abs_diff)
-
-
-def check_pushable(engine, state_dict: dict) -> None:
-    """Refuse, before anything is sent, in-memory weights that do not fit the running model."""
-    running = engine.layout
-    if running is None:
-        raise WeightMismatch("an in-memory sync needs the running model's layout (its HF folder readable here)")
-    new = ModelLayout.from_state_dict(state_dict, running.architectures, running.tied_embeddings)
-    check_layout(new, running, engine.server_dtype, "in-memory weights")
-
-
-def keep_for_restarts(engine, state_dict: dict) -> None:
-    """A restarted server loads its launch folder, then these (health.py): a host copy of the last in-memory push,
-    none when no server is restarted. Also for pushes the trainer's ranks made themselves (rank_push.py), kept by
-    the engine owning the node's servers."""
-    sync = engine.sync
-    sync.restore_tensors = host_copy(state_dict, sync.restore_tensors) if engine.config.max_restarts else None
-
-
-def confirm_weights(engine, version, probe: LogprobProbe | None, folder=None) -> SyncReport:
-    """Every server reports weight version ``version`` (else RuntimeError), which the engine then expects on every
-    sample, and serves the probe's log-probs. Also what rank 0 runs after each node pushed to its own servers."""
-    import time
-
-    t0, version = time.monotonic(), str(version)
-    try:
-        infos = [engine.pool.call(u, "/model_info", None, timeout=60.0) or {} for u in engine.control_urls]
-    except RuntimeError as e:  # a router may not forward /model_info; the samples' versions are still checked
-        if getattr(e, "status", None) != 404:
-            raise
-        infos = [{"weight_version": version}]
-    got = {str(i.get("weight_version")) for i in infos}
-    if got != {version}:
-        raise RuntimeError(f"after the sync the servers report weight version(s) {sorted(got)}, not {version}")
-    engine.weight_version = version
-    engine.weights_folder = str(folder) if folder is not None else None  # what a restarted server loads (health.py)
-    probe_diff = check_probe(engine, probe) if probe is not None else None
-    return SyncReport("confirm", time.monotonic() - t0, version, 0, probe_diff)
-
-
-def weights_restorable(engine) -> bool:
-    """Whether a restarted server, which loads the launch folder, can serve the engine's last sync: no sync came since
-    launch, or ``restore_weights`` has them, from the last disk sync's folder or the host copy of an in-memory push."""
-    return (engine.weight_version == engine.launch_version or engine.weights_folder is not None
-            or engine.sync.restore_tensors is not None)
-
-
-def restore_weights(engine, url: str) -> None:
-    """Give server ``url`` the weights of the engine's last sync when it serves others (a restart loads the launch
-    folder): the folder of the last disk sync, or the host copy of the last in-memory push."""
-    served = str((engine.pool.call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
-    if engine.weight_version is None or served == str(engine.weight_version):
-        return
-    if engine.weights_folder is not None:
-        engine.pool.post_with_retries([url], "/update_weights_from_disk",
-                                      {"model_path": engine.weights_folder, "flush_cache": True,
-                                       "weight_version": engine.weight_version}, f"restoring the weights of {url}")
-    elif engine.sync.restore_tensors is not None:
-        push_tensors(engine.pool, engine.sync, engine.sync.restore_tensors, str(engine.weight_version), urls=[url])
-    else:
-        raise SGLangError(f"it serves weight version {served}, not {engine.weight_version}, which was pushed in "
-                          "memory by another process: that process restores it")
-    after = str((engine.pool.call(url, "/model_info", None, timeout=60.0) or {}).get("weight_version"))
-    if after != str(engine.weight_version):
-        raise SGLangError(f"after restoring its weights it reports version {after}, not {engine.weight_version}")
-
-
 def check_probe(engine, probe: LogprobProbe) -> float:
     """The worst server's mean |log-prob difference| on the probe; raises WeightMismatch beyond its tolerance. The
-    servers must hold their KV cache (a colocated server that released it checks after taking it back)."""
-    return max(compare_probe(probe, engine.teacher_forced_logprobs(probe.token_ids, url), f"server {url}")
-               for url in engine.control_urls)
+    servers must hold their KV cache (a colocated server that released it checks after taking it back). ``engine``:
+    anything with ``control_urls`` and ``teacher_forced_logprobs`` (an SGLangEngine)."""
+    return probe_servers(probe, engine.control_urls, engine.teacher_forced_logprobs)
+
+
+def probe_servers(probe: LogprobProbe, urls, logprobs) -> float:
+    """``check_probe`` on the servers ``urls``, scored by ``logprobs(token_ids, url)``."""
+    return max(compare_probe(probe, logprobs(probe.token_ids, url), f"server {url}") for url in urls)

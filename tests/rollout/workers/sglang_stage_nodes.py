@@ -21,10 +21,11 @@ import torch.distributed as dist
 from megamu import parallel
 from megamu.data.prompts import stop_token_ids
 from megamu.engines import EngineConfig
-from megamu.engines.lifecycle import EngineLifecycle, make_lifecycle
+from megamu.engines.lifecycle import EngineLifecycle
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.metrics import MetricsLogger
+from megamu.mode import mode_of
 from megamu.reward.config import RewardConfig, make_scorer
 from megamu.rollout import RolloutConfig
 from megamu.rollout.phase import run_rollout_phase
@@ -46,7 +47,7 @@ def generate(stages: EngineLifecycle, stage: int, tok, version: int, rollout: Ro
     stages.start(stage)
     if dist.get_rank() == 0:
         scorer = make_scorer(rollout.reward)
-        run_rollout_phase(stages.engine, make_prompts(tok), run.stage_rollouts(stage),
+        run_rollout_phase(stages.serving(), make_prompts(tok), run.stage_rollouts(stage),
                           sampling=rollout.sampling(stage, stop_token_ids(tok)),
                           n_samples=rollout.n_samples, scorer=scorer, tokenizer=tok, stage=stage,
                           policy_version=version, groups_per_shard=rollout.groups_per_shard)
@@ -92,7 +93,7 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
     run = RunDir(Path(record) / "run")
     metrics = MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0)
     engine = EngineConfig(kind="sglang", dtype="float32", sglang=cfg)
-    stages = make_lifecycle("colocated" if mode == "colocated" else "staged", engine, metrics.log)
+    stages = mode_of("colocated" if mode == "colocated" else "staged").lifecycle(engine, metrics.log)
     if mode == "colocated":
         colocated(stages, model_dir, model_dir_2, record, node, tok, sync, rollout, run)
         dist.destroy_process_group()

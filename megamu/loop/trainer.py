@@ -1,8 +1,13 @@
-"""A μ-GRPO run: the parts the loops (staged.py, async_.py) string together, and the run's progress.
+"""The Trainer: the owner of a μ-GRPO run (torchtitan's Trainer as the model), which the loops (staged.py,
+async_.py) drive.
 
-``Run`` builds the parts from their configs (megamu.run_config) and keeps what every loop shares: the policy (model,
-optimiser, checkpoints, exports), the prompts, the metrics, one optimiser update with its record, checkpoints, the ETA
-line and the final summary. What the engine does and when is the loops' business.
+It builds the run's parts from their configs (megamu.run_config) and owns them: the mode (chosen once, here), the
+policy (model, optimiser, checkpoints, exports), the prompts, the metrics and the run's progress. It owns what every
+loop shares: one optimiser update with its record, the checkpoint cadence (the mode's), HF export retention (the
+mode's), the stage counter (moved only by ``_stage_over``), the ETA line and the final summary. What a checkpoint
+carries besides the policy's weights and optimiser is the Trainer's ``state_dict`` (torch.distributed.checkpoint's
+``Stateful``): the progress (``RunState``, Stateful too) and the plan. What the engine does and when is the loops'
+business.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from megamu import parallel
 from megamu.data.stage_prompts import Prompts
 from megamu.faults import crash_point
 from megamu.loop.state import RunState
-from megamu.metrics import MetricsLogger, read_metrics
+from megamu.loop.summary import print_summary
+from megamu.metrics import MetricsLogger
+from megamu.mode import Mode, mode_of
 from megamu.policy import Policy
 from megamu.rollout.dataset import StageDataset
 from megamu.run_dir import RunDir
@@ -21,14 +28,18 @@ from megamu.tracking import make_tracker
 from megamu.weights import Weights
 
 if TYPE_CHECKING:
+    from megamu.plan import Plan
     from megamu.run_config import RunConfig
 
 
-class Run:
+class Trainer:
     def __init__(self, cfg: RunConfig):
         from transformers import AutoTokenizer
 
-        self.cfg, self.plan, self.run_dir = cfg, cfg.plan, RunDir(cfg.save)
+        self.cfg: RunConfig = cfg
+        self.plan: Plan = cfg.plan
+        self.mode: Mode = mode_of(cfg.plan.rollout_mode)  # the one place the run's mode is chosen
+        self.run_dir = RunDir(cfg.save)
         self.eta_shown = False
         self.policy = Policy(cfg.policy)
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy.hf_source)
@@ -38,12 +49,10 @@ class Run:
         if cfg.algo.uses_reference:  # the KL term's π_ref: the run's initial weights (not built at coefficient 0)
             self.policy.build_reference()
         if saved is not None:
-            self.state.load_state_dict(saved)
-            if self.plan.rollout_mode != "async" and self.state.update >= (self.state.stage + 1) * self.plan.mu:
-                self.state.stage += 1  # saved at a stage's end: its rollout and updates are done
+            self.load_state_dict(saved)
             how = "resumed from" if self.policy.resumed else "started from the earlier run in"
             _print(f"{how} {self.policy.loaded_from}: update {self.state.update} of {self.plan.total_updates}"
-                   + ("" if self.plan.rollout_mode == "async" else f" (stage {self.state.stage})"))
+                   + self.mode.where(self.state.stage))
         elif self.policy.loaded_from != self.policy.hf_source:
             _print(f"a new run from the weights in {self.policy.loaded_from}")
         settings = {**self.plan.summary(), **vars(cfg.algo), **vars(cfg.policy.optimizer)}  # wandb's run config
@@ -52,26 +61,46 @@ class Run:
                                      elapsed_offset=self.state.elapsed, tracker=tracker)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)
 
-    def train_on(self, samples: list, stage: int, bar, *, log: bool, save: bool, **fields) -> None:
-        """One optimiser update; its metrics record (plus ``fields``) if ``log``, a checkpoint if ``save`` (the
-        loop's cadence); an HF export every --hf-export-interval updates."""
-        cfg = self.cfg
+    # -- Stateful: what a checkpoint carries besides the policy's weights and optimiser (flat, as checkpoints
+    # written before the Trainer have it: RunState's keys beside "plan")
+    def state_dict(self) -> dict:
+        return {**self.state.state_dict(), "plan": vars(self.plan)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state.load_state_dict(state_dict)
+        if self.mode.stage_complete(self.state.stage, self.state.update, self.plan.mu):
+            self._stage_over(self.state.stage)  # saved at a stage's end: its rollout and updates are done
+
+    def _stage_over(self, stage: int) -> None:
+        """Stage ``stage``'s μ updates are done: the run is at the next stage (the only write of the counter)."""
+        self.state.stage = stage + 1
+
+    # -- the run's steps
+    def train_on(self, samples: list, bar, **fields) -> None:
+        """One optimiser update; its metrics record (plus ``fields``) every --log-interval updates and at each
+        stage's (or the run's) end, a checkpoint when the mode's cadence says, an HF export every
+        --hf-export-interval updates."""
+        cfg, plan, update = self.cfg, self.plan, self.state.update + 1
         stats = self.policy.update(samples, cfg.algo)
-        self.state.update += 1
-        if log:
-            self.metrics.log("update", step=self.state.update, stage=stage, update=self.state.update - 1, **stats,
-                             **fields)
+        self.state.update = update
+        if self.mode.log_due(update, plan.mu, plan.total_updates, cfg.log_interval):
+            self.metrics.log("update", step=update, stage=self.state.stage, update=update - 1, **stats, **fields)
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
                         ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
-        if save:
+        if self.mode.checkpoint_due(update, plan.mu, plan.total_updates, cfg.save_interval):
             self.state.elapsed = self.metrics.elapsed()
-            self.policy.save(self.state.update, extra={**self.state.state_dict(), "plan": vars(self.plan)})
-        if cfg.hf_export_interval and self.state.update % cfg.hf_export_interval == 0:
-            self.policy.export(self.run_dir.iter_export(self.state.update))  # for evaluate.py --run
-            if parallel.is_main_rank():  # retention: --keep-hf-exports, by default --keep-checkpoints
-                self.run_dir.prune_iter_exports(keep=cfg.keep_hf_exports)
-        crash_point("update", self.state.update)
+            self.policy.save(update, extra=self.state_dict())
+        if cfg.hf_export_interval and update % cfg.hf_export_interval == 0:
+            self.policy.export(self.run_dir.iter_export(update))  # for evaluate.py --run
+            if parallel.is_main_rank():
+                self.mode.prune_iter_exports(self.run_dir, keep=cfg.keep_hf_exports)
+        crash_point("update", update)
+
+    def stage_done(self, stage: int, dataset: StageDataset, **times: float) -> None:
+        """Stage ``stage``'s μ updates are done: the counter moves on and the stage's record is logged."""
+        self._stage_over(stage)
+        self._log_stage(stage, dataset, **times)
 
     def show_eta(self, stage: int, t_update: float, t_rollout: float, t_eval: float) -> None:
         """After this process's first update: the rest of the run, from this stage's rollout and that update."""
@@ -93,7 +122,7 @@ class Run:
         """The final policy as an HF folder (hf/final), for its held-out evaluation and for the user."""
         return self.policy.weights(hf_dir=self.run_dir.final_export)
 
-    def log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
+    def _log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest
         self.metrics.log("stage", step=stage, stage=stage, **times, reward_mean=m.reward_mean,
                          truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
@@ -115,31 +144,11 @@ class Run:
         crash_point("stage", stage)
 
     def finish(self) -> None:
-        """Close the metrics with the run's record and print the summary."""
+        """Close the metrics with the run's record and print the summary (rank 0)."""
         self.metrics.log("run", t_total=self.metrics.elapsed(), total_updates=self.state.update)
         self.metrics.close()
-        self.summary()
-
-    def summary(self) -> None:
-        """The final table: per-stage rollout reward and timings, then the held-out evaluation."""
-        if not parallel.is_main_rank():
-            return
-        rows = read_metrics(self.cfg.save)
-        print("\n stage | rollout reward | all-correct | all-wrong | trunc. | t_export | t_rollout | t_train")
-        for r in (r for r in rows if r["kind"] == "stage"):
-            print(f" {r['stage']:>5} | {r['reward_mean']:>14.3f} | {r['all_correct_fraction']:>11.2f} | "
-                  f"{r['all_wrong_fraction']:>9.2f} | {r['truncation_rate']:>6.2f} | {r['t_export']:>7.1f}s |"
-                  f" {r['t_rollout']:>8.1f}s | {r['t_train']:>6.1f}s")
-        last = [r for r in rows if r["kind"] == "update" and "idle_ratio" in r][-1:]
-        for r in last:  # async mode
-            print(f" async: trainer idle ratio {r['idle_ratio']:.3f}, {r['dropped_stale']} stale samples dropped, "
-                  f"{sum(x['kind'] == 'sync' for x in rows)} weight syncs")
-        for r in (r for r in rows if r["kind"] == "eval"):
-            sampled = f", pass@1 {r['pass1']:.3f} (k = {r['k']})" if "pass1" in r else ""
-            print(f" {r.get('set', 'held-out')} greedy accuracy ({r['label']}): {r['accuracy']:.3f}{sampled} on "
-                  f"{r['n']} prompts")
-        for r in [r for r in rows if r["kind"] == "run"][-1:]:
-            print(f" total {r['t_total']:.1f}s, {r['total_updates']} updates; metrics in {self.metrics.path}")
+        if parallel.is_main_rank():
+            print_summary(self.cfg.save, self.metrics.path)
 
 
 def _print(msg: str) -> None:

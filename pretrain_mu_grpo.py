@@ -11,9 +11,9 @@ import warnings
 
 import torch
 
-from megamu import parallel
 from megamu.arguments import check_memory, parse_args
-from megamu.memory_plan import plan_memory
+from megamu.memory.memory_plan import plan_memory
+from megamu.runtime import parallel
 
 # megatron-core announces its fallbacks when Apex/TE are absent (always, on CPU); they are expected, not actionable.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")

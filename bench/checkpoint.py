@@ -30,10 +30,10 @@ def _timed(fn) -> float:
 def run(hf_dir: Path, repeats: int) -> dict:
     import torch
 
-    from megamu import parallel
     from megamu.algo import ALGORITHM_PRESETS
     from megamu.convert import load_hf_into_model
     from megamu.model import ModelArch, build_model
+    from megamu.runtime import parallel
     from megamu.training import OptimizerConfig, build_optimizer, train_step
     from megamu.training.checkpoint import load_checkpoint, save_checkpoint
     from tests.training.helpers import make_samples
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.hf_dir is None:
-        from megamu.demo_model import smollm2_hf_dir
+        from megamu.model.demo_model import smollm2_hf_dir
 
         args.hf_dir = smollm2_hf_dir()
     print(json.dumps(run(args.hf_dir, args.repeats), indent=1))

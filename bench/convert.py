@@ -45,7 +45,7 @@ def case(name: str, hf_dir: Path, work: Path, shard_bytes: int) -> dict:
     from megamu.convert.io import _fsync
     from megamu.convert.mapping import mcore_to_hf_tensors
     from megamu.model import ModelArch, build_model
-    from megamu.parallel import init_distributed
+    from megamu.runtime.parallel import init_distributed
 
     torch.set_num_threads(1)
     ModelArch.from_hf(hf_dir)  # transformers' config machinery imports in ~2 s: keep that one-off out of the timing
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_dir is None:
-        from megamu.demo_model import smollm2_hf_dir
+        from megamu.model.demo_model import smollm2_hf_dir
 
         args.hf_dir = smollm2_hf_dir()
     if args.case:

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamu.metrics import read_metrics
+from megamu.observability.metrics import read_metrics
 
 CURVE_POINTS = 64
 # per-update statistics of the trainer (megamu.training.step, megamu.algo.loss / tail) kept in the summary

@@ -30,7 +30,7 @@ def run_trainer(flags: list[str], save: Path, *, log: Path | None = None, env: d
     """``pretrain_mu_grpo.py FLAGS --save SAVE`` to completion in a session of its own (an interrupted bench kills the
     whole tree, torchrun's ranks included); its output goes to ``log`` when given. A failed run is a SystemExit that
     quotes the output's tail."""
-    from megamu.metrics import read_metrics
+    from megamu.observability.metrics import read_metrics
 
     cmd = [sys.executable, str(REPO / "pretrain_mu_grpo.py"), *flags, "--save", str(save)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE", **(env or {}))

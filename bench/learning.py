@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.harness import run_trainer
 from megamu.algo import ALGORITHM_PRESETS
-from megamu.metrics import read_metrics
+from megamu.observability.metrics import read_metrics
 
 
 def run_preset(algorithm: str, save: Path, a: argparse.Namespace, extra: list[str], log: Path | None = None) -> dict:

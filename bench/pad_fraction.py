@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megamu.records import RolloutSample  # noqa: E402
+from megamu.rollout.records import RolloutSample  # noqa: E402
 from megamu.training.batch import row_lengths, split_micro_batches  # noqa: E402
 from megamu.training.step import length_order  # noqa: E402
 

@@ -171,7 +171,7 @@ def main() -> None:
             hf_dir = str(save_tiny_model(Path(tmp) / "tiny", "llama", seed=0, num_hidden_layers=4, hidden_size=128,
                                          intermediate_size=256))
         else:
-            from megamu.demo_model import smollm2_hf_dir
+            from megamu.model.demo_model import smollm2_hf_dir
 
             hf_dir = str(smollm2_hf_dir())
         from transformers import AutoTokenizer

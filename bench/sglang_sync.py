@@ -50,7 +50,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="megamu-sync-bench-"))
     if args.model == "smollm2":
-        from megamu.demo_model import smollm2_hf_dir
+        from megamu.model.demo_model import smollm2_hf_dir
 
         src = str(smollm2_hf_dir())
     else:

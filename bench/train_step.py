@@ -32,11 +32,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: no spinning on a shared machine
 import torch
 
-from megamu import parallel
 from megamu.algo import ALGORITHM_PRESETS, group_advantages
 from megamu.convert.checkpoint import load_hf_into_model
 from megamu.model import ModelArch, build_model, token_logprobs
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
+from megamu.runtime import parallel
 from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, pack, train_step
 from megamu.training.batch import split_micro_batches
 
@@ -49,7 +49,7 @@ def rss_gib() -> float:
 
 def hf_dir(name: str) -> Path:
     if name == "smollm2":
-        from megamu.demo_model import smollm2_hf_dir
+        from megamu.model.demo_model import smollm2_hf_dir
 
         return smollm2_hf_dir()
     from tests.tiny import save_tiny_model

@@ -20,7 +20,7 @@ from megamu.errors import ConfigError
 if TYPE_CHECKING:
     from megamu.engines import EngineConfig
     from megamu.engines.lifecycle import EngineLifecycle, Log
-    from megamu.run_dir import RunDir
+    from megamu.run.run_dir import RunDir
 
 
 @dataclass(frozen=True)

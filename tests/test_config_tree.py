@@ -17,16 +17,16 @@ import pytest
 from megamu.algo import AlgoConfig
 from megamu.arguments import build_parser, flag_of, parse_args
 from megamu.arguments.generated import _part_types
+from megamu.config.loop_config import AsyncConfig, EvalConfig
+from megamu.config.plan import AsyncPlan, StagedPlan
+from megamu.config.run_config import RunConfig
 from megamu.data.stage_prompts import PromptsConfig
-from megamu.device import Device
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
-from megamu.loop_config import AsyncConfig, EvalConfig
-from megamu.plan import AsyncPlan, StagedPlan
-from megamu.policy import CheckpointConfig, PolicyConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_config import RunConfig
+from megamu.runtime.device import Device
 from megamu.training.optimizer import OptimizerConfig
+from megamu.training.policy import CheckpointConfig, PolicyConfig
 
 URL = "http://sglang-host:30000"
 DEVICES = ("cpu", "cuda")
@@ -337,7 +337,7 @@ def test_generated_flags_default_to_their_fields():
     """A part whose fields carry their flags gets them from the tree: each flag's default is the field's (AlgoConfig's
     are None, "the preset's"), and the values read back build the part's defaults."""
     from megamu.arguments.generated import ALGO_FLAGS, field_values
-    from megamu.tracking import TrackerConfig
+    from megamu.observability.tracking import TrackerConfig
 
     args = build_parser().parse_args([])
     assert EvalConfig(**field_values(EvalConfig, args)) == EvalConfig()

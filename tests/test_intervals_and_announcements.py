@@ -65,10 +65,10 @@ def test_defaults_a_verl_user_would_not_assume_are_announced(tmp_path, capsys):
 def test_evaluation_replies_get_eval_max_response_len(monkeypatch, tmp_path):
     """slime's --eval-max-response-len: evaluation replies may be longer than rollout's (16384 vs 8192 in
     run-qwen3-4B.sh); without it they get the rollout's length."""
+    from megamu.config.loop_config import EvalConfig
     from megamu.engines.types import SamplingParams
     from megamu.loop import heldout
-    from megamu.loop_config import EvalConfig
-    from megamu.metrics import MetricsLogger
+    from megamu.observability.metrics import MetricsLogger
 
     asked = []
 

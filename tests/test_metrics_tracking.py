@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from megamu.metrics import MetricsLogger, read_metrics
-from megamu.tracking import TrackerConfig, make_tracker
+from megamu.observability.metrics import MetricsLogger, read_metrics
+from megamu.observability.tracking import TrackerConfig, make_tracker
 from tests.wandb_records import history_rows
 
 

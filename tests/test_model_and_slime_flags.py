@@ -173,7 +173,7 @@ def test_deepscaler_reward_grades_the_text_after_thinking_only():
 
 
 def test_on_gpus_the_engine_is_sglang_and_its_servers_fill_the_node(tmp_path, monkeypatch, capsys):
-    from megamu.device import Device
+    from megamu.runtime.device import Device
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

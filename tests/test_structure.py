@@ -38,15 +38,15 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def test_engines_and_rollout_never_import_the_trainer():
     """The loop hands engines and the rollout phase weights and prompts; they never reach for the policy."""
-    trainer = ("megamu.policy", "megamu.training", "megamu.loop", "megamu.arguments", "megamu.run_config")
+    trainer = ("megamu.training", "megamu.loop", "megamu.arguments", "megamu.config.run_config")
     bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.startswith(trainer))
            for name, path in MODULES.items() if name.startswith(("megamu.engines", "megamu.rollout"))}
     assert {k: v for k, v in bad.items() if v} == {}
 
 
 def test_the_config_tree_needs_nothing_of_the_loop():
-    """The loop imports its configs (megamu.loop_config), never the other way round."""
-    config = ("megamu.run_config", "megamu.loop_config", "megamu.arguments")
+    """The loop imports its configs (megamu.config.loop_config), never the other way round."""
+    config = ("megamu.config.run_config", "megamu.config.loop_config", "megamu.arguments")
     bad = {name: sorted(m for m in module_imports(path, top_level_only=False) if m.split(".")[:2] == ["megamu", "loop"])
            for name, path in MODULES.items() if name.startswith(config)}
     assert {k: v for k, v in bad.items() if v} == {}
@@ -95,15 +95,15 @@ def test_no_import_cycle():
 
 
 def _bad_configs():
+    from megamu.config.loop_config import AsyncConfig
+    from megamu.config.plan import AsyncPlan, StagedPlan
     from megamu.data.stage_prompts import PromptsConfig
-    from megamu.device import CPU
     from megamu.engines import EngineConfig, SGLangConfig
-    from megamu.loop_config import AsyncConfig
-    from megamu.plan import AsyncPlan, StagedPlan
-    from megamu.policy import CheckpointConfig, PolicyConfig
     from megamu.reward.config import RewardConfig
     from megamu.rollout import RolloutConfig
+    from megamu.runtime.device import CPU
     from megamu.training.optimizer import OptimizerConfig
+    from megamu.training.policy import CheckpointConfig, PolicyConfig
 
     opt = OptimizerConfig()
     policy = dict(hf_checkpoint=None, device=CPU, optimizer=opt, checkpoint=CheckpointConfig(save=Path("r")),

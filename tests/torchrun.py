@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from megamu.net import free_port  # noqa: F401  (tests import it from here)
+from megamu.runtime.net import free_port  # noqa: F401  (tests import it from here)
 from tests.warm_launch import warm_launcher
 
 
@@ -54,7 +54,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
 def rank_main(main, *args) -> None:
     """A worker's entry: ``main(*args)``, then its process groups torn down, whatever happened. Groups left up at exit
     once aborted a rank after its work was done ("terminate called without an active exception")."""
-    from megamu.parallel import destroy_distributed
+    from megamu.runtime.parallel import destroy_distributed
 
     try:
         main(*args)

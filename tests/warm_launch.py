@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "pretrain_mu_grpo.py"
 STOP_GRACE_S = 5.0  # a failed world's other ranks: SIGTERM, then SIGKILL after this long
 # What a run imports before it trains (the loop modules are imported in main(), after parsing the flags); megatron-core
-# comes first, imported as the run's init_distributed does (megamu.device.Device.import_megatron).
+# comes first, imported as the run's init_distributed does (megamu.runtime.device.Device.import_megatron).
 PRELOAD = ("pretrain_mu_grpo", "megamu.loop.trainer", "megamu.loop.staged", "megamu.loop.async_",
            "megamu.engines.local", "megatron.core.models.gpt", "torch._dynamo", "transformers")
 # Modules whose import makes state of the process: wandb makes a media temp folder at import and deletes it at exit,
@@ -99,7 +99,7 @@ def serve() -> None:
     import importlib
     import threading
 
-    from megamu.device import CPU
+    from megamu.runtime.device import CPU
 
     CPU.import_megatron()
     for name in PRELOAD:
@@ -164,7 +164,7 @@ class WarmLauncher:
 
     def run(self, args: list[str], *, env: dict[str, str], timeout: float, nproc: int = 1,
             script: Path = SCRIPT) -> subprocess.CompletedProcess:
-        from megamu.net import free_port
+        from megamu.runtime.net import free_port
 
         port = free_port() if nproc > 1 else 0
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as tmp:

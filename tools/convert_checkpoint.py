@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--load {args.load}: no such folder")
 
     from megamu.convert.bridge import hf_to_torch_dist, torch_dist_to_hf
-    from megamu.parallel import init_distributed
+    from megamu.runtime.parallel import init_distributed
 
     init_distributed(1)
     try:

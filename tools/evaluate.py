@@ -28,7 +28,7 @@ from megamu.data.prompts import DEFAULT_INSTRUCTION  # noqa: E402
 from megamu.data.stage_prompts import PROMPT_SETTINGS  # noqa: E402
 from megamu.evaluation import Checkpoint, EvalSettings, evaluate_checkpoints, parse_benchmarks, run_checkpoints  # noqa: E402
 from megamu.reward.config import RewardConfig  # noqa: E402
-from megamu.run_dir import RunDir  # noqa: E402
+from megamu.run.run_dir import RunDir  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

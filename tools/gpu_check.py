@@ -85,7 +85,7 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int):
     """``n`` samples in groups of 8: a quarter of each sequence is prompt, advantages ±1 within each group."""
     import torch
 
-    from megamu.records import RolloutSample
+    from megamu.rollout.records import RolloutSample
 
     g = torch.Generator().manual_seed(seed)
     prompt_len = seq_len // 4
@@ -100,8 +100,8 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int):
 
 
 def build(args, cuda: bool):
-    from megamu.device import Device
     from megamu.model import ModelArch, build_model
+    from megamu.runtime.device import Device
     from megamu.training import OptimizerConfig, build_optimizer
     from tests.tiny import tiny_hf_config
 
@@ -239,7 +239,7 @@ def check_stage(cuda, root: Path) -> Row:
 def run_checks(args) -> list[Row]:
     import torch
 
-    from megamu import parallel
+    from megamu.runtime import parallel
 
     cuda = not args.dry_run
     if cuda and not torch.cuda.is_available():
@@ -252,7 +252,7 @@ def run_checks(args) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         tmp = Path(tmp)
         if only & {"train", "offload", "checkpoint", "plan", "buckets", "ep-agree"}:
-            from megamu.device import Device
+            from megamu.runtime.device import Device
 
             parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device("cuda" if cuda else "cpu"))
             model, arch, opt = build(args, cuda)

@@ -49,9 +49,9 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     import torch
 
     from megamu.algo import ALGORITHM_PRESETS
-    from megamu.device import Device
-    from megamu.memory_plan import MemoryPlanConfig, ModelShape, plan_memory
+    from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, plan_memory
     from megamu.model import ModelArch, build_model
+    from megamu.runtime.device import Device
     from megamu.training import OptimizerConfig, build_optimizer
     from megamu.training.step import train_step
 
@@ -97,7 +97,7 @@ def bucket_is_shareable(cuda: bool) -> tuple[bool, str]:
     import os
 
     old = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # what megamu.device reads
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # what megamu.runtime.device reads
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     try:
         w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def ep_agreement(cuda: bool) -> tuple[bool, str]:
     """At EP = 1 (one GPU): each count is its own, no collective entered."""
     import torch
 
-    from megamu import parallel
+    from megamu.runtime import parallel
 
     device = torch.device("cuda" if cuda else "cpu")
     counts = [parallel.ep_agreed_count(n, device) for n in (0, 1, 7)]

@@ -36,17 +36,17 @@ from megamu.arguments.slime import (
     dynamic_micro_batch,
     translate_slime_arguments,
 )
+from megamu.config.loop_config import AsyncConfig
+from megamu.config.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
+from megamu.config.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
 from megamu.data.stage_prompts import PromptsConfig
-from megamu.device import Device
 from megamu.errors import ConfigError
-from megamu.loop_config import AsyncConfig
-from megamu.memory_fixes import fixes
-from megamu.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
-from megamu.policy import CheckpointConfig, PolicyConfig
+from megamu.memory.memory_fixes import fixes
 from megamu.rollout import RolloutConfig
-from megamu.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
+from megamu.runtime.device import Device
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
 from megamu.training.optimizer import OptimizerConfig
+from megamu.training.policy import CheckpointConfig, PolicyConfig
 
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
@@ -228,7 +228,7 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
 
 def check_memory(plan) -> None:
     """A MemoryPlan that overflows the device is an error naming the line that overflows and each flag whose change
-    alone makes it fit (megamu.memory_fixes), else the device size."""
+    alone makes it fit (megamu.memory.memory_fixes), else the device size."""
     try:
         plan.check()
     except ConfigError as e:

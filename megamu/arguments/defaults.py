@@ -8,7 +8,7 @@ import argparse
 import os
 
 from megamu.arguments.engine import _error
-from megamu.device import Device
+from megamu.runtime.device import Device
 
 # verl's actor.loss_agg_mode default (volcengine/verl verl/trainer/config/actor/actor.yaml:82, b178a3c)
 VERL_LOSS_AGGREGATION = "token-mean"

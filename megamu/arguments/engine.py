@@ -13,11 +13,11 @@ import shlex
 from dataclasses import replace
 
 from megamu.arguments.generated import add_fields, field_flag, field_values
-from megamu.device import CPU, Device
+from megamu.config.run_config import RunConfig
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.errors import ConfigError
 from megamu.reward.config import RewardConfig
-from megamu.run_config import RunConfig
+from megamu.runtime.device import CPU, Device
 
 
 def _default(config, name: str):
@@ -49,7 +49,7 @@ FLAG_OF_PATH = {
 }
 
 # The memory plan (RunConfig.memory, computed from the run): each of its fields to the flag of the run's setting it
-# is computed from, for its errors and the fixes it suggests (megamu.memory_fixes).
+# is computed from, for its errors and the fixes it suggests (megamu.memory.memory_fixes).
 MEMORY_FLAGS = {
     "model": "--hf-checkpoint", "micro_batch_size": "--micro-batch-size",
     "max_tokens_per_micro_batch": "--max-tokens-per-micro-batch", "max_response_len": "--rollout-max-response-len",

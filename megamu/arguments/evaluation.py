@@ -6,9 +6,9 @@ import argparse
 
 from megamu.arguments.engine import _config, _error
 from megamu.arguments.generated import add_fields, field_values
+from megamu.config.loop_config import EvalConfig
 from megamu.data.stage_prompts import PromptsConfig
-from megamu.loop_config import EvalConfig
-from megamu.tracking import TrackerConfig
+from megamu.observability.tracking import TrackerConfig
 
 
 def add_evaluation_arguments(p: argparse.ArgumentParser) -> None:

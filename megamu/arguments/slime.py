@@ -13,7 +13,7 @@ import argparse
 import shlex
 
 from megamu.arguments.engine import _default, _error
-from megamu.policy import PolicyConfig
+from megamu.training.policy import PolicyConfig
 
 DEEPSCALER_REWARD_FN = "megamu.reward.math:deepscaler_score"
 # slime's --rm-type -> megamu's reward flags (the rest: write it as a function and pass --custom-rm-path)

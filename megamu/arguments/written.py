@@ -13,8 +13,8 @@ from pathlib import Path
 
 from megamu.algo import AlgoConfig
 from megamu.arguments.generated import ALGO_FLAGS
+from megamu.config.run_config import RunConfig
 from megamu.config_fields import FlagSpec, flag_spec
-from megamu.run_config import RunConfig
 
 # Fields whose flag is a string the parser converts (megamu.arguments.engine.engine_flags): written the same way.
 _SPELLING: dict[str, Callable[[object], str]] = {

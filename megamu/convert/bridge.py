@@ -54,7 +54,7 @@ def supported_families() -> list[str]:
 
 def bridge_for(model, arch: ModelArch, hf_dir: str | Path):
     """An mbridge Bridge for ``model`` (built by megamu.model.build_model at the current TP size) and the HF folder
-    whose config describes it. Collective-free; call after megamu.parallel.init_distributed."""
+    whose config describes it. Collective-free; call after megamu.runtime.parallel.init_distributed."""
     from mbridge import AutoBridge
     from megatron.core import parallel_state
 
@@ -108,7 +108,8 @@ def hf_tensors_via_mbridge(model, arch: ModelArch, hf_dir: str | Path) -> Iterat
 
 def hf_to_torch_dist(hf_dir: str | Path, save_dir: str | Path, iteration: int = 0) -> Path:
     """HF folder -> torch_dist checkpoint ``save_dir/iter_N`` (+ tracker) that Megatron-LM and megamu load at any TP
-    size, through mbridge. Builds the model at the current TP size (call megamu.parallel.init_distributed first)."""
+    size, through mbridge. Builds the model at the current TP size (call megamu.runtime.parallel.init_distributed
+    first)."""
     from megamu.model import build_model
     from megamu.training.checkpoint import save_model_checkpoint
 
@@ -122,10 +123,10 @@ def torch_dist_to_hf(load_dir: str | Path, hf_source_dir: str | Path, out_dir: s
                      max_shard_bytes: int | None = None) -> Path:
     """The latest torch_dist checkpoint in ``load_dir`` (megamu's, Megatron-LM's) -> HF folder, through mbridge.
     ``hf_source_dir`` gives the config and tokenizer (the model the checkpoint was trained from)."""
-    from megamu import parallel
     from megamu.convert.checkpoint import _write_hf
     from megamu.convert.io import DEFAULT_SHARD_BYTES, atomic_dir
     from megamu.model import build_model
+    from megamu.runtime import parallel
     from megamu.training.checkpoint import load_model_checkpoint
 
     arch = ModelArch.from_hf(Path(hf_source_dir))

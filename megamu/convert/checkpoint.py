@@ -75,7 +75,7 @@ def export_hf(
 
     ``dtype`` (``--export-dtype``) defaults to the training precision (``training_dtype``): a bf16 run's rollouts
     are served in bf16, and its exports are half the size of fp32 ones."""
-    from megamu.parallel import gathers_full_weights, is_main_rank, wait_for_main_rank
+    from megamu.runtime.parallel import gathers_full_weights, is_main_rank, wait_for_main_rank
 
     dtype = training_dtype(model) if dtype is None else dtype
     _check_dtype(dtype)  # on every rank, before any collective

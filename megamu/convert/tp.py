@@ -80,7 +80,7 @@ _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def _ep() -> tuple[int, int]:
-    from megamu import parallel
+    from megamu.runtime import parallel
 
     return parallel.ep_rank(), parallel.ep_size()
 

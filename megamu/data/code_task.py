@@ -82,6 +82,6 @@ def reference_solution(row: dict) -> str:
 
 def write_code_task(path, n: int, seed: int) -> None:
     """The task as JSONL (one row per line), as --prompt-data reads it."""
-    from megamu.atomic import atomic_write_text
+    from megamu.runtime.atomic import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in code_problems(n, seed)))

@@ -7,13 +7,13 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megamu import parallel
-from megamu.atomic import atomic_write_text
 from megamu.config_fields import flag
 from megamu.data.arithmetic import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
 from megamu.errors import ConfigError, check_non_negative, check_positive
+from megamu.runtime import parallel
+from megamu.runtime.atomic import atomic_write_text
 
 HELD_OUT = "held-out"  # the evaluation set split off the training prompts (--eval-prompts)
 
@@ -34,7 +34,7 @@ class PromptsConfig:
     held_out: int = flag("--eval-prompts", type=int, default=100,
                          help="training prompts held out as the 'held-out' evaluation set (0: none)")
     seed: int | None = None  # derived: the run's seed
-    data_dir: Path | None = None  # derived: megamu.run_dir.RunDir(save).data
+    data_dir: Path | None = None  # derived: megamu.run.run_dir.RunDir(save).data
     builtin_rows: int | None = None  # derived without files: enough rows for the run and the held-out split
     prompt_key: str = flag("--prompt-key", "--input-key", default="problem", help=(
         "the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' messages are read when "

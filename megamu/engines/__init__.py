@@ -2,7 +2,7 @@
 engine lives across a staged run's stages (lifecycle/).
 
 ``EngineConfig`` says which engine generates and in what precision; ``build_engine`` makes it. Engines take weights
-(``Engine.update_weights``) and requests, never the trainer: nothing here imports megamu.policy or megamu.training.
+(``Engine.update_weights``) and requests, never the trainer: nothing here imports megamu.training.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from megamu.atomic import atomic_write_text
 from megamu.data.prompts import stop_token_ids
 from megamu.engines.types import Engine
 from megamu.evaluation.run import Checkpoint
 from megamu.evaluation.runner import Benchmark, EvalReport, EvalSettings, evaluate_model, markdown_table
+from megamu.runtime.atomic import atomic_write_text
 
 
 def _saved_report(path: Path, settings: EvalSettings, benchmarks: list[Benchmark]) -> EvalReport | None:

@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamu.metrics import read_metrics
-from megamu.run_dir import RunDir
+from megamu.observability.metrics import read_metrics
+from megamu.run.run_dir import RunDir
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from megamu import parallel
 from megamu.data.prompts import stop_token_ids
 from megamu.engines import build_engine
 from megamu.loop.engine_process import EngineProcess
 from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor
+from megamu.runtime import parallel
 
 if TYPE_CHECKING:
     from megamu.loop.trainer import Trainer

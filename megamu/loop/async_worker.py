@@ -30,14 +30,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megamu.atomic import atomic_write_text
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
 from megamu.engines.types import SamplingParams
-from megamu.faults import crash_point
 from megamu.reward.config import RewardConfig
 from megamu.rollout.dataset import shard_name, write_shard
+from megamu.runtime.atomic import atomic_write_text
+from megamu.runtime.faults import crash_point
 
 CONFIG, WEIGHTS, CONSUMED, LOADED, LOCK, LOG = (
     "worker_config.pkl", "weights.json", "consumed.json", "loaded.json", "worker.lock", "worker.log")

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from megamu import parallel
+from megamu.config.loop_config import AsyncConfig
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import EngineConfig
+from megamu.engines.weights import Weights
 from megamu.loop.async_worker import (
     CONFIG,
     CONSUMED,
@@ -32,14 +33,13 @@ from megamu.loop.async_worker import (
     write_json,
 )
 from megamu.loop.state import QueueCursor
-from megamu.loop_config import AsyncConfig
-from megamu.metrics import MetricsLogger
 from megamu.mode import Mode
-from megamu.records import RolloutSample
+from megamu.observability.metrics import MetricsLogger
 from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import shard_name, table_to_samples
-from megamu.run_dir import RunDir
-from megamu.weights import Weights
+from megamu.rollout.records import RolloutSample
+from megamu.run.run_dir import RunDir
+from megamu.runtime import parallel
 
 WAIT_POLL_S = 0.02  # the trainer's poll while waiting for a shard: short, the wait is the idle time it measures
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from megamu.config.loop_config import EvalConfig
 from megamu.data.prompts import PromptRecord
 from megamu.engines import Engine
 from megamu.engines.types import SamplingParams
 from megamu.evaluation.metrics import avg_at_k
-from megamu.loop_config import EvalConfig
-from megamu.metrics import MetricsLogger
+from megamu.observability.metrics import MetricsLogger
 from megamu.rollout.phase import generate_groups
 
 

@@ -14,7 +14,6 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from megamu import parallel
 from megamu.algo.dapo import OverlongShaping
 from megamu.data.prompts import stop_token_ids
 from megamu.engines.lifecycle import EngineLifecycle
@@ -23,6 +22,7 @@ from megamu.reward import make_scorer
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.dynamic import run_dynamic_rollout
 from megamu.rollout.phase import run_rollout_phase
+from megamu.runtime import parallel
 
 if TYPE_CHECKING:
     from megamu.loop.trainer import Trainer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamu.metrics import read_metrics
+from megamu.observability.metrics import read_metrics
 
 
 def print_summary(save: Path, metrics_path: str) -> None:

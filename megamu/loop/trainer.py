@@ -1,7 +1,7 @@
 """The Trainer: the owner of a μ-GRPO run (torchtitan's Trainer as the model), which the loops (staged.py,
 async_.py) drive.
 
-It builds the run's parts from their configs (megamu.run_config) and owns them: the mode (chosen once, here), the
+It builds the run's parts from their configs (megamu.config.run_config) and owns them: the mode (chosen once, here), the
 policy (model, optimiser, checkpoints, exports), the prompts, the metrics and the run's progress. It owns what every
 loop shares: one optimiser update with its record, the checkpoint cadence (the mode's), HF export retention (the
 mode's), the stage counter (moved only by ``_stage_over``), the ETA line and the final summary. What a checkpoint
@@ -14,22 +14,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megamu import parallel
 from megamu.data.stage_prompts import Prompts
-from megamu.faults import crash_point
+from megamu.engines.weights import Weights
 from megamu.loop.state import RunState
 from megamu.loop.summary import print_summary
-from megamu.metrics import MetricsLogger
 from megamu.mode import Mode, mode_of
-from megamu.policy import Policy
+from megamu.observability.metrics import MetricsLogger
+from megamu.observability.tracking import make_tracker
 from megamu.rollout.dataset import StageDataset
-from megamu.run_dir import RunDir
-from megamu.tracking import make_tracker
-from megamu.weights import Weights
+from megamu.run.run_dir import RunDir
+from megamu.runtime import parallel
+from megamu.runtime.faults import crash_point
+from megamu.training.policy import Policy
 
 if TYPE_CHECKING:
-    from megamu.plan import Plan
-    from megamu.run_config import RunConfig
+    from megamu.config.plan import Plan
+    from megamu.config.run_config import RunConfig
 
 
 class Trainer:

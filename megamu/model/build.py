@@ -1,12 +1,12 @@
-"""Build a megatron-core GPTModel for a ModelArch (call megamu.parallel.init_distributed first)."""
+"""Build a megatron-core GPTModel for a ModelArch (call megamu.runtime.parallel.init_distributed first)."""
 
 from __future__ import annotations
 
 import torch
 
-from megamu.device import CPU, Device
 from megamu.model.config import ModelArch, padded_vocab_size, transformer_config
 from megamu.model.spec import finalize, layer_spec, position_embedding_kwargs
+from megamu.runtime.device import CPU, Device
 
 
 def build_model(
@@ -25,12 +25,12 @@ def build_model(
     ``recompute_granularity``: "full" / "selective" activation recomputation, see ``recompute_fields``.
     ``load_balancing``: an MoE router's (megatron's load-balancing type, aux-loss coefficient), see
     ``moe_config_fields``.
-    ``transformer_impl`` defaults to the device's (see megamu.device)."""
+    ``transformer_impl`` defaults to the device's (see megamu.runtime.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("build_model: call megamu.parallel.init_distributed(...) first")
+        raise RuntimeError("build_model: call megamu.runtime.parallel.init_distributed(...) first")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     transformer_impl = transformer_impl or device.transformer_impl
     config = transformer_config(arch, tp=tp, ep=parallel_state.get_expert_model_parallel_world_size(),

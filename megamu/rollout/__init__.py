@@ -1,7 +1,7 @@
 """Generating and storing a stage: the rollout phase (phase.py) writes the static dataset D_k (dataset.py).
 
 ``RolloutConfig`` holds how a stage's samples are drawn and stored; which engine draws them is the engines' config.
-Nothing here imports the trainer (megamu.policy, megamu.training): the loops hand the phase an engine and prompts.
+Nothing here imports the trainer (megamu.training): the loops hand the phase an engine and prompts.
 """
 
 from __future__ import annotations

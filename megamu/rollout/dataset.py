@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megamu.atomic import atomic_write
 from megamu.data.order import epoch_stream
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
+from megamu.runtime.atomic import atomic_write
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -23,11 +23,8 @@ from pathlib import Path
 import torch
 
 from megamu.algo.dapo import OverlongShaping
-from megamu.atomic import atomic_write
 from megamu.data.prompts import PromptRecord
 from megamu.engines.types import Engine, GenerateRequest, SamplingParams, derive_seed
-from megamu.faults import crash_point
-from megamu.records import RolloutSample
 from megamu.rollout.dataset import (
     MANIFEST,
     StageManifest,
@@ -40,6 +37,9 @@ from megamu.rollout.dataset import (
     write_manifest,
     write_shard,
 )
+from megamu.rollout.records import RolloutSample
+from megamu.runtime.atomic import atomic_write
+from megamu.runtime.faults import crash_point
 
 PLAN = "plan.json"
 

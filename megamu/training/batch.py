@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
 
 PAD_ID = 0  # any valid id: padded positions are never attended to by real tokens and never scored
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megamu.memory_plan_phases import SLAB_BYTES, pack_slabs
+from megamu.memory.memory_plan_phases import SLAB_BYTES, pack_slabs
 
 
 class HostMirror:
@@ -25,7 +25,7 @@ class HostMirror:
     would cost up to twice the state (a 1.09 GB fp32 embedding shard takes 2 GiB); a slab loses nothing to it."""
 
     def __init__(self, pin: bool, slab_bytes: int = SLAB_BYTES):
-        self.pin = pin  # the device decision (megamu.device): pinned host memory needs CUDA
+        self.pin = pin  # the device decision (megamu.runtime.device): pinned host memory needs CUDA
         self.slab_bytes = slab_bytes
         self._slabs: list[torch.Tensor] = []
         self._host: dict[int, torch.Tensor] = {}

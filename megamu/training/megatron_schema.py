@@ -23,9 +23,9 @@ import random
 import numpy as np
 import torch
 
-from megamu import parallel
 from megamu.model import ModelArch
 from megamu.model.config import padded_vocab_size
+from megamu.runtime import parallel
 
 CHECKPOINT_VERSION = 3.0  # checkpointing.py:1572
 VOCAB_DIVISIBLE_BY = 128  # padded_vocab_size's default: Megatron-LM's --make-vocab-size-divisible-by
@@ -114,7 +114,7 @@ def rng_sharded_object(state: dict):
 def megatron_entries(arch: ModelArch, iteration: int, optimizer_cfg, *, plan: dict | None, world: int,
                      hf_source_dir: str | None, bf16: bool) -> dict:
     """What ``save_checkpoint`` adds to its sharded state dict for Megatron-LM: ``args``, ``opt_param_scheduler``
-    and (GPU) ``rng_state``. ``plan``: the run's (megamu.plan.StagedPlan or AsyncPlan as a dict), for the samples
+    and (GPU) ``rng_state``. ``plan``: the run's (megamu.config.plan.StagedPlan or AsyncPlan as a dict), for the samples
     per update."""
     plan = plan or {}
     samples = plan.get("prompts_per_update", 1) * plan.get("n_samples_per_prompt", 1)

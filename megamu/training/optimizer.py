@@ -1,4 +1,5 @@
-"""The optimiser, one implementation per device (chosen by ``build_optimizer`` from the ``megamu.device.Device``).
+"""The optimiser, one implementation per device (chosen by ``build_optimizer`` from the
+``megamu.runtime.device.Device``).
 
 CPU: ``torch.optim.AdamW``; gradients are SUMMED over the data-parallel group (the loss of each micro-batch is already
 scaled by its share of the global minibatch, see ``megamu.training.step``), clipped by the norm of the full model, then
@@ -25,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megamu import parallel
 from megamu.config_fields import flag
-from megamu.device import CPU, Device
 from megamu.errors import ConfigError
+from megamu.runtime import parallel
+from megamu.runtime.device import CPU, Device
 from megamu.training.host_mirror import HostMirror, device_tensors
 from megamu.training.memory import TrainerMemory, spill, storage_bytes, unspill
 

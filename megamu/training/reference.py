@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
 from megamu.training.host_mirror import HostMirror
 from megamu.training.step import compute_logprobs
 

@@ -18,11 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from megamu import parallel
 from megamu.algo import REFERENCE_TAU, AlgoConfig, lower_tail_stats, neg_adv_log_ratios, policy_loss
 from megamu.model import score_tokens
 from megamu.model.config import scale_router_aux_loss
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
+from megamu.runtime import parallel
 from megamu.training.batch import (
     PackedBatch,
     data_parallel_bounds,

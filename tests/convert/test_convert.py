@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from megamu.convert import export_hf, load_hf_into_model
 from megamu.convert.io import SafetensorsDir
 from megamu.model import ModelArch, build_model, forward_logprobs
-from megamu.parallel import init_distributed
+from megamu.runtime.parallel import init_distributed
 from tests.convert.conftest import CASES
 
 

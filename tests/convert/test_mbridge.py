@@ -10,7 +10,7 @@ import torch
 
 from megamu.convert.bridge import hf_to_torch_dist, supported_families
 from megamu.convert.io import SafetensorsDir
-from megamu.parallel import init_distributed
+from megamu.runtime.parallel import init_distributed
 from tests.convert.conftest import CASES
 from tests.torchrun import run_torchrun
 

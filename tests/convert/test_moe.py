@@ -8,7 +8,7 @@ import torch
 
 from megamu.convert.bridge import hf_to_torch_dist
 from megamu.convert.io import SafetensorsDir
-from megamu.parallel import init_distributed
+from megamu.runtime.parallel import init_distributed
 from tests.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from megamu.convert import load_hf_into_model
-from megamu.demo_model import DemoModelUnavailable, smollm2_hf_dir
 from megamu.model import ModelArch, build_model
-from megamu.parallel import init_distributed
+from megamu.model.demo_model import DemoModelUnavailable, smollm2_hf_dir
+from megamu.runtime.parallel import init_distributed
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.engines.sglang.weight_sync import SyncReport
 from megamu.engines.types import GenerateRequest, SamplingParams
+from megamu.engines.weights import LogprobProbe, Weights
 from megamu.mode import ASYNC, COLOCATED, STAGED, mode_of
-from megamu.weights import LogprobProbe, Weights
 
 PROBE = LogprobProbe(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25], tolerance=0.01)
 

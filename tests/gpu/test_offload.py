@@ -9,8 +9,8 @@ import torch
 
 from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
-from megamu.device import Device
 from megamu.model import ModelArch, build_model, unwrap
+from megamu.runtime.device import Device
 from megamu.training import OptimizerConfig, build_optimizer, compute_logprobs, train_step
 from tests.tiny import save_tiny_model
 from tests.training.helpers import make_samples, set_behaviour

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megamu.convert import load_hf_into_model
-from megamu.device import Device
 from megamu.model import ModelArch, build_model, forward_logprobs
+from megamu.runtime.device import Device
 from tests.tiny import save_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

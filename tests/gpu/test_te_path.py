@@ -11,8 +11,8 @@ import torch
 
 from megamu.algo import ALGORITHM_PRESETS
 from megamu.convert import load_hf_into_model
-from megamu.device import Device
 from megamu.model import ModelArch, build_model, forward_logprobs, unwrap
+from megamu.runtime.device import Device
 from megamu.training import (
     OptimizerConfig,
     build_optimizer,

@@ -9,7 +9,7 @@ import pytest
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megamu.arguments import parse_args
-from megamu.device import Device
+from megamu.config.plan import AsyncPlan, StagedPlan
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.engines.lifecycle import ColocatedLocal, RestartEachStage
 from megamu.engines.sglang.colocated import ColocatedSGLang
@@ -17,9 +17,9 @@ from megamu.errors import ConfigError
 from megamu.loop.state import QueueCursor, RunState
 from megamu.loop.trainer import Trainer
 from megamu.mode import ASYNC, COLOCATED, STAGED, mode_of
-from megamu.plan import AsyncPlan, StagedPlan
 from megamu.rollout.dataset import MANIFEST
-from megamu.run_dir import RunDir
+from megamu.run.run_dir import RunDir
+from megamu.runtime.device import Device
 
 
 def test_each_name_gives_its_mode_and_any_other_is_refused():

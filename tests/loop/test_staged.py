@@ -13,14 +13,14 @@ from megamu.algo import ALGORITHM_PRESETS
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle import base as lifecycle_base
 from megamu.engines.local import LocalEngine
+from megamu.engines.weights import Weights
 from megamu.loop.heldout import EvalConfig
 from megamu.loop.staged import train_staged
 from megamu.loop.state import RunState
 from megamu.mode import mode_of
 from megamu.reward.config import RewardConfig
 from megamu.rollout import RolloutConfig
-from megamu.run_dir import RunDir
-from megamu.weights import Weights
+from megamu.run.run_dir import RunDir
 from tests.rollout.test_phase import make_prompts
 from tests.tiny import build_char_tokenizer, save_tiny_model
 

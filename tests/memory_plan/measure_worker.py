@@ -29,10 +29,10 @@ def main(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from megamu import parallel
     from megamu.algo import AlgoConfig, group_advantages
     from megamu.model import ModelArch, build_model
-    from megamu.records import RolloutSample
+    from megamu.rollout.records import RolloutSample
+    from megamu.runtime import parallel
     from megamu.training.optimizer import OptimizerConfig, TorchAdamW
     from megamu.training.step import train_step
 

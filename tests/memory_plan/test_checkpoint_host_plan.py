@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from megamu.errors import ConfigError
-from megamu.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
-from megamu.memory_plan_phases import SAVE_CHUNK_ELEMENTS, SLAB_BYTES, mirror_slab_bytes, pack_slabs, pow2_ceil
+from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
+from megamu.memory.memory_plan_phases import SAVE_CHUNK_ELEMENTS, SLAB_BYTES, mirror_slab_bytes, pack_slabs, pow2_ceil
 from tests.memory_plan.test_moe_plan import QWEN3_30B_A3B
 from tests.memory_plan.test_plan import QWEN25_MATH_7B, tiny_qwen2
 
@@ -96,7 +96,7 @@ def test_host_plan_by_hand():
 
 def test_the_slab_estimate_bounds_first_fit_on_the_7b_models_tensors():
     """The plan's slab count for a rank against pack_slabs over the 7B's real tensor sizes (TP 2, all on one rank)."""
-    from megamu.memory_plan_phases import param_tensor_numels
+    from megamu.memory.memory_plan_phases import param_tensor_numels
 
     dense, _ = param_tensor_numels(ModelShape.from_hf_config(QWEN25_MATH_7B), 2, 1)
     sizes = [4 * n for n in dense] * 3
@@ -156,7 +156,7 @@ def test_the_node_ram_is_read_on_a_gpu_machine_and_given_for_a_dry_run_elsewhere
     import psutil
 
     from megamu.arguments import parse_args
-    from megamu.device import Device
+    from megamu.runtime.device import Device
     from tests.tiny import save_tiny_model
     from tools import gpu_check
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megamu.memory_plan import MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
+from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import importlib.util
 import pytest
 import torch
 
-from megamu.device import Device
-from megamu.memory_plan import MemoryPlanConfig, ModelShape, layer_activation_bytes, plan_memory
+from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, layer_activation_bytes, plan_memory
+from megamu.runtime.device import Device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = Device("cuda")
@@ -25,7 +25,7 @@ SPEC = dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, ffn_h
 
 def _samples(vocab: int, b: int, p: int, r: int):
     from megamu.algo import group_advantages
-    from megamu.records import RolloutSample
+    from megamu.rollout.records import RolloutSample
 
     g = torch.Generator().manual_seed(0)
     rewards = torch.tensor([[float(i % 2) for i in range(b)]])
@@ -37,9 +37,9 @@ def _samples(vocab: int, b: int, p: int, r: int):
 
 @pytest.mark.parametrize("granularity", [None, "selective", "full"])
 def test_training_phase_matches_cuda_allocator(distributed, granularity):
-    from megamu import parallel
     from megamu.algo import AlgoConfig
     from megamu.model import ModelArch, build_model
+    from megamu.runtime import parallel
     from megamu.training.optimizer import OptimizerConfig, build_optimizer
     from megamu.training.step import train_step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamu.arguments import check_memory, parse_args
-from megamu.memory_plan import GIB, MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
+from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
 
 HF = Path(__file__).parent.parent / "fixtures" / "hf"
 

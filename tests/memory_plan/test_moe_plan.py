@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamu.errors import ConfigError
-from megamu.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
+from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
 # Qwen3-30B-A3B's config.json (public facts, huggingface.co/Qwen/Qwen3-30B-A3B)

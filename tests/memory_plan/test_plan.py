@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from megamu.errors import ConfigError
-from megamu.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
+from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
 
 # Qwen2.5-Math-7B's config.json (public facts, huggingface.co/Qwen/Qwen2.5-Math-7B)
 QWEN25_MATH_7B = {

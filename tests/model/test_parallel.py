@@ -5,7 +5,7 @@ import textwrap
 SCRIPT = textwrap.dedent("""
     import os
     import pytest
-    from megamu import parallel as P
+    from megamu.runtime import parallel as P
 
     P.init_distributed(1, seed=3)
     P.init_distributed(1, seed=3)  # idempotent

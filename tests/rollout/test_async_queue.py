@@ -7,18 +7,18 @@ import time
 
 import pytest
 
+from megamu.config.loop_config import AsyncConfig
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
 from megamu.loop.async_worker import CONSUMED, LOG, prompts_at, read_json
 from megamu.loop.engine_process import EngineProcess, EngineProcessError
 from megamu.loop.state import QueueCursor
-from megamu.loop_config import AsyncConfig
-from megamu.metrics import MetricsLogger
 from megamu.mode import ASYNC
-from megamu.records import RolloutSample
+from megamu.observability.metrics import MetricsLogger
 from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import write_shard
-from megamu.run_dir import RunDir
+from megamu.rollout.records import RolloutSample
+from megamu.run.run_dir import RunDir
 
 G, PER_SHARD = 3, 2
 

@@ -11,9 +11,9 @@ from megamu.data import load_prompts
 from megamu.data.arithmetic import addition_problems
 from megamu.engines.local import LocalEngine
 from megamu.engines.types import EngineBase, SamplingParams
-from megamu.faults import CRASH_ENV
 from megamu.rollout.dataset import MANIFEST, StageDataset, StageDatasetError
 from megamu.rollout.phase import generate_groups, run_rollout_phase
+from megamu.runtime.faults import CRASH_ENV
 from tests.tiny import build_char_tokenizer
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=12, seed=123)

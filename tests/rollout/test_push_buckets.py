@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from megamu import device
 from megamu.engines.sglang import tensor_sync
+from megamu.runtime import device
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.engines.sglang.weight_sync import SyncReport
+from megamu.engines.weights import Weights
 from megamu.loop.staged import final_evaluation, publish
-from megamu.weights import Weights
 
 
 class Events(list):

@@ -219,7 +219,7 @@ def test_start_on_the_healthy_urls_naming_the_missing_and_fail_when_none(server,
 
 def test_health_flags(tmp_path):
     from megamu.arguments import parse_args
-    from megamu.device import Device
+    from megamu.runtime.device import Device
 
     base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
     cfg = parse_args(base + ["--rollout-max-restarts", "5", "--rollout-probe-period", "2", "--sglang-url-timeout",

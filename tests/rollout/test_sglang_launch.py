@@ -62,7 +62,7 @@ def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llam
 
 def test_engine_flags(tmp_path):
     from megamu.arguments import parse_args
-    from megamu.device import Device
+    from megamu.runtime.device import Device
 
     base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
     cfg = parse_args(base + ["--rollout-mode", "colocated", "--sglang-python", "/v/bin/python", "--sglang-env",

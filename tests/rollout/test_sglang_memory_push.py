@@ -123,7 +123,7 @@ def test_the_sync_group_forms_under_torchrun(monkeypatch):
     import sys
 
     from megamu.engines.sglang.weight_sync import broadcast, open_weight_group
-    from megamu.net import free_port
+    from megamu.runtime.net import free_port
     from tests.rollout.test_sglang_health import REPO
 
     port = free_port("127.0.0.1")

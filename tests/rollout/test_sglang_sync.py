@@ -172,7 +172,7 @@ def test_push_transport_follows_placement():
 
 def test_placement_follows_the_rollout_mode(tmp_path):
     from megamu.arguments import parse_args
-    from megamu.device import Device
+    from megamu.runtime.device import Device
 
     base = ["--save", str(tmp_path / "run"), "--rollout-engine", "sglang"]
     colocated = parse_args(base + ["--rollout-mode", "colocated"], device=Device("cuda")).engine.sglang

@@ -302,7 +302,7 @@ def test_run_mode_builds_prompts_as_the_training_run_did(tmp_path):
     from megamu.data.prompts import load_prompts
     from megamu.data.stage_prompts import Prompts, PromptsConfig
     from megamu.evaluation.runner import EvalSettings
-    from megamu.run_dir import RunDir
+    from megamu.run.run_dir import RunDir
     from tests.tiny import build_char_tokenizer
 
     sys.path.insert(0, str(REPO / "tools"))

@@ -187,7 +187,7 @@ def test_the_7b_examples_memory_plan_fits_an_h200_and_the_old_colocated_settings
                              HF_CHECKPOINT=str(model), HOST_MEMORY_GIB="2048")  # a node's RAM, not this machine's
     plan, cfg = _dry_run_in_process(argv, env["WORLD_SIZE"], monkeypatch, capsys)
     assert cfg.memory is not None and (cfg.memory.tp, cfg.memory.dp, cfg.memory.gpu_memory_gib) == (2, 2, 141.0)
-    from megamu.memory_plan import plan_memory
+    from megamu.memory.memory_plan import plan_memory
 
     memory = plan_memory(cfg.memory)
     memory.check()  # every phase fits

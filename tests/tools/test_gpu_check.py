@@ -47,7 +47,7 @@ def test_arguments():
 
 def test_stage_flags_parse(tmp_path):
     from megamu.arguments import parse_args
-    from megamu.device import Device
+    from megamu.runtime.device import Device
     from tests.tiny import save_tiny_model
 
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=3)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from megamu.algo import AlgoConfig, group_advantages, policy_loss
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
 
 
 def tiny_model(hf_dir: str | Path, family: str = "llama", seed: int = 0, params_dtype=torch.float32, **overrides):

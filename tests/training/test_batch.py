@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
 from megamu.training.batch import PAD_ID, data_parallel_bounds, pack, split_micro_batches, unpack_response
 
 

@@ -153,7 +153,7 @@ def test_failed_write_leaves_previous_checkpoint_untouched(run, tmp_path, monkey
 
 
 def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
-    from megamu.run_dir import RunDir
+    from megamu.run.run_dir import RunDir
 
     run = RunDir(tmp_path)
     prune_stage_export = lambda: run.prune_stage_export(0)
@@ -171,7 +171,7 @@ def test_stage_export_goes_only_once_its_rollout_is_durable(tmp_path):
 
 
 def test_a_runs_start_prunes_the_exports_of_durable_stages(tmp_path):
-    from megamu.run_dir import RunDir
+    from megamu.run.run_dir import RunDir
 
     run = RunDir(tmp_path)
     for k in (0, 2, 3):
@@ -185,7 +185,7 @@ def test_a_runs_start_prunes_the_exports_of_durable_stages(tmp_path):
 
 
 def test_iter_exports_fall_under_retention(tmp_path):
-    from megamu.run_dir import RunDir
+    from megamu.run.run_dir import RunDir
 
     run = RunDir(tmp_path)
     for n in (200, 400, 600, 1000):
@@ -219,8 +219,8 @@ def test_a_checkpoint_without_run_state_starts_a_new_run_from_its_weights(run, t
     """What Megatron-LM writes has no megamu_state.json: its weights (and Adam moments) load, no run state."""
     import shutil
 
-    from megamu.device import CPU
-    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
+    from megamu.runtime.device import CPU
+    from megamu.training.policy import CheckpointConfig, Policy, PolicyConfig
 
     foreign = tmp_path / "megatron"
     shutil.copytree(run["root"] / "save", foreign)
@@ -242,8 +242,8 @@ def test_a_release_tracker_names_the_release_folder(run, tmp_path):
     iteration 0 in <load>/release; slime's converter writes that layout. Its weights start a new run."""
     import shutil
 
-    from megamu.device import CPU
-    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
+    from megamu.runtime.device import CPU
+    from megamu.training.policy import CheckpointConfig, Policy, PolicyConfig
 
     converted = tmp_path / "converted"
     shutil.copytree(run["path"], converted / "release")
@@ -266,8 +266,8 @@ def test_the_runs_own_checkpoint_comes_before_its_start_point(run, tmp_path):
     """--load A --save B: B's checkpoint, once there is one, is where a restart resumes; A is only the start."""
     import shutil
 
-    from megamu.device import CPU
-    from megamu.policy import CheckpointConfig, Policy, PolicyConfig
+    from megamu.runtime.device import CPU
+    from megamu.training.policy import CheckpointConfig, Policy, PolicyConfig
 
     start, own = tmp_path / "A", tmp_path / "B"
     shutil.copytree(run["root"] / "save", start)

@@ -69,7 +69,7 @@ def test_slabs_hold_many_tensors_at_aligned_offsets_and_lose_no_rounding():
     """torch's CachingHostAllocator rounds every pinned allocation up to a power of two (ATen/core/
     CachingHostAllocator.h, ``PowerOf2Ceil`` in ``allocate``): a buffer per tensor of 1.09 GB would take 2 GiB.
     Slabs of a power-of-two size hold the tensors (first-fit decreasing); by hand for small sizes."""
-    from megamu.memory_plan_phases import SLAB_ALIGN, pack_slabs
+    from megamu.memory.memory_plan_phases import SLAB_ALIGN, pack_slabs
 
     tensors = [torch.randn(100), torch.randn(10).double(), torch.randn(200), torch.randn(3, 7)]  # 400, 80, 800, 84 B
     want = [t.clone() for t in tensors]

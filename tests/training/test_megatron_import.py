@@ -30,7 +30,7 @@ print(json.dumps({{
     "swiglu_matches": None if jit.jit_fuser is compile_before
                       else torch.equal(bias_swiglu(x, b), torch.nn.functional.silu(y1) * y2),
 }}))
-import wandb  # megamu.tracking's own import, after megatron's: it must still work
+import wandb  # megamu.observability.tracking's own import, after megatron's: it must still work
 print(wandb.__name__)
 """
 
@@ -45,7 +45,7 @@ def _probe(setup: str) -> dict:
 
 
 def test_cpu_processes_import_megatron_without_compiling_its_fusions():
-    got = _probe("from megamu import parallel\nparallel.init_distributed(1)")  # the trainer's and tools' first import
+    got = _probe("from megamu.runtime import parallel\nparallel.init_distributed(1)")  # the first import
     assert got == {"fuser_is_compile": False, "fuser_is_identity": True, "dynamo": False, "compile_restored": True,
                    "wandb_imported": False, "swiglu_matches": True}
 
@@ -53,5 +53,5 @@ def test_cpu_processes_import_megatron_without_compiling_its_fusions():
 def test_cuda_keeps_megatrons_compiled_fusions():
     # The upstream fact the CPU choice works around: megatron-core 0.16.1 binds jit_fuser to torch.compile at import
     # (megatron/core/jit.py:21), and building its wrappers imports torch._dynamo. Only imports run: no CUDA needed.
-    got = _probe("from megamu.device import Device\nDevice('cuda').import_megatron()")
+    got = _probe("from megamu.runtime.device import Device\nDevice('cuda').import_megatron()")
     assert got["fuser_is_compile"] and got["dynamo"] and got["compile_restored"] and not got["wandb_imported"]

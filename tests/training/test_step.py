@@ -204,7 +204,7 @@ def test_skipping_zero_advantage_samples_leaves_the_gradient_unchanged(tiny64, b
 
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_pad_fraction_counts_padded_positions_of_the_micro_batches(tiny, share_prompts):
-    from megamu.records import RolloutSample
+    from megamu.rollout.records import RolloutSample
 
     model, arch, _ = tiny
     algo = ALGORITHM_PRESETS["mu-grpo"]

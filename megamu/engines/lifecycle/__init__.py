@@ -13,7 +13,7 @@ does is the implementation's business:
   trainer trains.
 Every rank calls every verb (they agree on what is collective); the engine itself lives on rank 0, with SGLang
 servers spread over the nodes (``spread``) owned by each node's local rank 0. Nothing here imports the trainer, the
-loop or the rollout phase: weights arrive as ``megamu.weights.Weights``, "sync" records leave through a ``log``
+loop or the rollout phase: weights arrive as ``megamu.engines.weights.Weights``, "sync" records leave through a ``log``
 callable, and the loop runs the rollout phase on ``serving()``. Which one a run gets is its mode's choice, made once
 (``megamu.mode.Mode.lifecycle``).
 """

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from megamu import parallel
 from megamu.engines import Engine, EngineConfig, build_engine
-from megamu.weights import Weights
+from megamu.engines.weights import Weights
+from megamu.runtime import parallel
 
 Log = Callable[..., None]  # MetricsLogger.log's shape: log(kind, step=..., **fields)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from megamu import parallel
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle.base import LifecycleBase, Log, WeightRequest
 from megamu.engines.sglang import memory
@@ -21,7 +20,8 @@ from megamu.engines.sglang.rank_push import RankPush
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import transport
 from megamu.engines.sglang.weight_sync import SyncReport, check_probe
-from megamu.weights import Weights
+from megamu.engines.weights import Weights
+from megamu.runtime import parallel
 
 
 class ColocatedSGLang(LifecycleBase):

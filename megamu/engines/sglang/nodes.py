@@ -18,10 +18,10 @@ import socket
 import time
 from dataclasses import replace
 
-from megamu import parallel
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.sglang.pool import ServerPool
+from megamu.runtime import parallel
 
 
 def start_sglang(hf_dir: str | None, cfg: SGLangConfig) -> tuple[SGLangEngine | None, SGLangEngine | None]:

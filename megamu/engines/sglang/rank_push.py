@@ -7,7 +7,7 @@ GPUs ``gather_object`` their payloads (gloo) to the rank on the engine's first G
 ``serialized_named_tensors``, entry i for the engine's TP rank i, i.e. for the GPU it runs on. No server opens a CUDA
 context on another GPU, and no refresh copies weights between GPUs. After each bucket the handles are let go and
 ``torch.cuda.ipc_collect()`` reclaims the blocks whose consumers closed them (slime: ``accelerator.ipc_collect()``
-after each bucket and after the push), through ``megamu.device.Device.ipc_collect``.
+after each bucket and after the push), through ``megamu.runtime.device.Device.ipc_collect``.
 
 Placement: torchrun numbers ranks node by node (global rank = node x ranks per node + local rank) and binds local
 rank L to GPU L; megamu launches a node's server i on GPUs [i x tp, (i + 1) x tp) (``--base-gpu-id``, launch.py).
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megamu import parallel
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.tensor_sync import buckets, serialize_bucket
+from megamu.runtime import parallel
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from megamu.engines.sglang.weight_sync import (
     push_tensors,
 )
 from megamu.engines.types import GeneratedSample
-from megamu.weights import LogprobProbe
+from megamu.engines.weights import LogprobProbe
 
 Logprobs = Callable[[list[int], str], list[float]]  # SGLangEngine.teacher_forced_logprobs(token_ids, url)
 

@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from megamu.device import ipc_shareable_allocations
 from megamu.engines.sglang.pool import ServerPool
+from megamu.runtime.device import ipc_shareable_allocations
 
 _CUDA_DEVICE_ARG = 6  # position of the device index in torch's rebuild_cuda_tensor arguments (stable for years)
 
@@ -129,6 +129,6 @@ def send_tensors(pool: ServerPool, state_dict: dict[str, torch.Tensor], version:
 
 
 def ipc_collect() -> None:
-    from megamu import parallel
+    from megamu.runtime import parallel
 
     parallel.device().ipc_collect()

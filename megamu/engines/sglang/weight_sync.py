@@ -22,8 +22,8 @@ import torch
 
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.tensor_sync import buckets, flatten, send_tensors, transport
-from megamu.net import free_port
-from megamu.weights import LogprobProbe
+from megamu.engines.weights import LogprobProbe
+from megamu.runtime.net import free_port
 
 # safetensors' dtype names -> torch's (the names SGLang's /update_weights_from_distributed takes)
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

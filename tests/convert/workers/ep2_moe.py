@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's 
 
 
 def main(hf_dir, export_dir, dist_dir):
-    from megamu import parallel
     from megamu.convert import export_hf, load_hf_into_model
     from megamu.convert.io import SafetensorsDir
     from megamu.model import ModelArch, build_model
+    from megamu.runtime import parallel
     from megamu.training.checkpoint import save_model_checkpoint
 
     torch.set_num_threads(1)

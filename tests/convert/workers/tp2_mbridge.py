@@ -42,7 +42,7 @@ def main(args):
     from megamu.convert import export_hf
     from megamu.convert.bridge import torch_dist_to_hf
     from megamu.model import ModelArch, forward_logprobs
-    from megamu.parallel import init_distributed, tp_group
+    from megamu.runtime.parallel import init_distributed, tp_group
 
     torch.set_num_threads(1)
     init_distributed(2)

@@ -14,7 +14,7 @@ def run(arch, hf_dir, ids, weights, tp):
 
     from megamu.convert import gather_tensor, load_hf_into_model
     from megamu.model import allreduce_tp_partial_grads, build_model, forward_logprobs
-    from megamu.parallel import init_distributed
+    from megamu.runtime.parallel import init_distributed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -36,7 +36,7 @@ def run(arch, hf_dir, ids, weights, tp):
 
 def shared_vs_per_sample(model, arch, ids):
     """Log-probs of ids[0, 5:] and ids[1, 5:] after the prompt ids[0, :5]: one shared row vs one row each."""
-    from megamu.records import RolloutSample
+    from megamu.rollout.records import RolloutSample
     from megamu.training import pack, response_logprobs
 
     prompt = ids[0, :5].tolist()

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # this checkout's 
 
 
 def main(urls: str, server_tp: str, out: str) -> None:
-    from megamu import parallel
     from megamu.engines.sglang.launch import SGLangConfig
     from megamu.engines.sglang.rank_push import RankPush
+    from megamu.runtime import parallel
     from tests.rollout.test_rank_push import state_dict
 
     torch.set_num_threads(1)

@@ -18,19 +18,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megamu import parallel
 from megamu.data.prompts import stop_token_ids
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle import EngineLifecycle
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.launch import SGLangConfig
-from megamu.metrics import MetricsLogger
+from megamu.engines.weights import Weights
 from megamu.mode import mode_of
+from megamu.observability.metrics import MetricsLogger
 from megamu.reward.config import RewardConfig, make_scorer
 from megamu.rollout import RolloutConfig
 from megamu.rollout.phase import run_rollout_phase
-from megamu.run_dir import RunDir
-from megamu.weights import Weights
+from megamu.run.run_dir import RunDir
+from megamu.runtime import parallel
 from tests.rollout.test_phase import make_prompts
 from tests.tiny import build_char_tokenizer
 

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamu import parallel  # noqa: E402
 from megamu.algo import ALGORITHM_PRESETS  # noqa: E402
+from megamu.runtime import parallel  # noqa: E402
 from megamu.training import step  # noqa: E402
 from megamu.training.batch import data_parallel_share  # noqa: E402
 from tests.training.helpers import make_samples, tiny_model  # noqa: E402

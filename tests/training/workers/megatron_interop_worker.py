@@ -74,9 +74,9 @@ def stock_save_refuses_cpu(sharded: dict, folder: Path) -> None:
 def main(hf_dir: str, out: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from megamu import parallel
     from megamu.algo import ALGORITHM_PRESETS
     from megamu.model import ModelArch, build_model
+    from megamu.runtime import parallel
     from megamu.training import OptimizerConfig, build_optimizer, load_checkpoint, save_checkpoint, train_step
     from tests.training.helpers import make_samples, tiny_model
 

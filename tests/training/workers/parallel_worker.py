@@ -11,10 +11,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamu import parallel  # noqa: E402
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, AlgoConfig  # noqa: E402
 from megamu.convert.tp import full_state_dict  # noqa: E402
 from megamu.model import build_model  # noqa: E402
+from megamu.runtime import parallel  # noqa: E402
 from megamu.training import (  # noqa: E402
     OptimizerConfig,
     build_optimizer,

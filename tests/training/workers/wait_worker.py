@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamu import parallel  # noqa: E402
+from megamu.runtime import parallel  # noqa: E402
 
 BUSY_S = 8.0
 LATE_S = 5.0  # rank 1 starts this much later than rank 0: more than the 3 s timeout

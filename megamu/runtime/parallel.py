@@ -12,9 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megamu.device import CPU, Device
 from megamu.errors import ConfigError
-from megamu.net import free_port
+from megamu.runtime.device import CPU, Device
+from megamu.runtime.net import free_port
 
 _device: Device = CPU  # set by init_distributed: the device this process trains on
 

@@ -1,7 +1,7 @@
 """CPU or CUDA: the one decision every device difference follows.
 
 Made once at start-up (``megamu.arguments`` for the trainer, each tool's ``main``) and passed down to the parts that
-differ: the process-group backend (``megamu.parallel``), the layer implementation and weight placement
+differ: the process-group backend (``megamu.runtime.parallel``), the layer implementation and weight placement
 (``megamu.model.build``), the optimiser (``megamu.training.optimizer``) and the memory hand-off around rollouts.
 """
 
@@ -80,7 +80,7 @@ class Device:
           once. On CUDA the fusions keep megatron's torch.compile.
         - Its inference engine imports wandb, if installed, for its own metrics (inference/contexts/dynamic_context.py
           :70, inside try/except ImportError): 1.3 s per process. megamu generates with its own engines and imports
-          wandb itself when a run logs to it (megamu.tracking), so wandb is hidden from megatron's import.
+          wandb itself when a run logs to it (megamu.observability.tracking), so wandb is hidden from megatron's import.
         A megatron-core imported earlier is left as it is."""
         if "megatron.core.jit" in sys.modules:
             return

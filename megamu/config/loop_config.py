@@ -1,6 +1,6 @@
-"""Settings of the loop's parts, apart from the loop that runs them, so the run's config (megamu.run_config) needs
-nothing of megamu.loop: the async engine process (``AsyncConfig``, megamu.loop.async_) and evaluation during training
-(``EvalConfig``, megamu.loop.heldout)."""
+"""Settings of the loop's parts, apart from the loop that runs them, so the run's config
+(megamu.config.run_config) needs nothing of megamu.loop: the async engine process (``AsyncConfig``,
+megamu.loop.async_) and evaluation during training (``EvalConfig``, megamu.loop.heldout)."""
 
 from __future__ import annotations
 

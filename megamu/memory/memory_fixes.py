@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megamu.errors import ConfigError
-from megamu.memory_plan import MemoryPlanConfig, plan_memory
+from megamu.memory.memory_plan import MemoryPlanConfig, plan_memory
 from megamu.mode import mode_of
 
 ROUND_TOKENS = 256  # a suggested token budget is a multiple of this (and at least one row)

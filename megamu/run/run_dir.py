@@ -20,8 +20,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from megamu.atomic import remove_dir
 from megamu.rollout.dataset import MANIFEST  # written last by the rollout phase: D_k is durable once it exists
+from megamu.runtime.atomic import remove_dir
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Everything a run is built from (``RunConfig``: its plan, one config per part, the loop's own settings), made
-from the flags by megamu.arguments or in code alike. The plan's types live in megamu.plan."""
+from the flags by megamu.arguments or in code alike. The plan's types live in megamu.config.plan."""
 
 from __future__ import annotations
 
@@ -12,26 +12,26 @@ from pathlib import Path
 import psutil
 
 from megamu.algo import AlgoConfig
-from megamu.config_fields import flag
-from megamu.data.stage_prompts import PromptsConfig
-from megamu.device import Device
-from megamu.engines import EngineConfig
-from megamu.errors import ConfigError, build_at, check_positive
-from megamu.loop_config import AsyncConfig, EvalConfig
-from megamu.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
-from megamu.mode import mode_of
-from megamu.plan import (  # noqa: F401  (the names run_config had)
+from megamu.config.loop_config import AsyncConfig, EvalConfig
+from megamu.config.plan import (  # noqa: F401  (the names run_config had)
     ROLLOUT_MODES,
     AsyncPlan,
     Plan,
     StagedPlan,
     stage_counts,
 )
-from megamu.policy import PolicyConfig
+from megamu.config_fields import flag
+from megamu.data.stage_prompts import PromptsConfig
+from megamu.engines import EngineConfig
+from megamu.errors import ConfigError, build_at, check_positive
+from megamu.memory.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
+from megamu.mode import mode_of
+from megamu.observability.tracking import TrackerConfig
 from megamu.reward.pool import default_num_workers
 from megamu.rollout import RolloutConfig
-from megamu.run_dir import RunDir
-from megamu.tracking import TrackerConfig
+from megamu.run.run_dir import RunDir
+from megamu.runtime.device import Device
+from megamu.training.policy import PolicyConfig
 
 DEFAULT_ALGORITHM = "mu-grpo"  # --algorithm's default and a RunConfig's
 

@@ -10,24 +10,24 @@ from pathlib import Path
 
 import torch
 
-from megamu import parallel
 from megamu.algo import AlgoConfig
-from megamu.atomic import atomic_write
 from megamu.config_fields import flag
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
-from megamu.device import Device
+from megamu.engines.weights import LogprobProbe, Weights
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.model import ModelArch, build_model
 from megamu.model.config import MOE_LOAD_BALANCING, check_load_balancing
-from megamu.records import RolloutSample
+from megamu.rollout.records import RolloutSample
+from megamu.runtime import parallel
+from megamu.runtime.atomic import atomic_write
+from megamu.runtime.device import Device
 from megamu.training.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
 from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
 from megamu.training.reference import ReferencePolicy
 from megamu.training.step import compute_logprobs, train_step
-from megamu.weights import LogprobProbe, Weights
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class PolicyConfig:
     device: Device | None = None  # derived: the run's device
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # where a CPU offload spills the trainer's state; derived: megamu.run_dir.RunDir(save).offload
+    # where a CPU offload spills the trainer's state; derived: megamu.run.run_dir.RunDir(save).offload
     offload_dir: Path | None = None
     transformer_impl: str | None = flag("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                                         help="layer implementation (default: transformer_engine on GPU, local on CPU)")
@@ -124,7 +124,7 @@ class PolicyConfig:
 
 def resolve_hf_checkpoint(path: str | None) -> Path:
     if path is None:
-        from megamu.demo_model import smollm2_hf_dir
+        from megamu.model.demo_model import smollm2_hf_dir
 
         return smollm2_hf_dir()
     return Path(path)

@@ -1,7 +1,8 @@
 """What an engine is given at a weight sync: a value the trainer makes and the loop hands over, never the policy.
 
-The trainer's side (megamu.policy.Policy.weights) fills it collectively; the engines take it (``Engine.update_weights``)
-without knowing where it came from, so nothing under megamu/engines or megamu/rollout imports the trainer.
+The trainer's side (megamu.training.policy.Policy.weights) fills it collectively; the engines take it
+(``Engine.update_weights``) without knowing where it came from, so nothing under megamu/engines or
+megamu/rollout imports the trainer.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamu.atomic import atomic_write_text
+from megamu.runtime.atomic import atomic_write_text
 
 
 class MetricsLogger:
@@ -25,7 +25,7 @@ class MetricsLogger:
         self.path = Path(save_dir) / "metrics.jsonl"
         self.t0 = time.time() - elapsed_offset
         self.writer = None
-        self.tracker = tracker if enabled else None  # megamu.tracking: wandb, when asked for
+        self.tracker = tracker if enabled else None  # megamu.observability.tracking: wandb, when asked for
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

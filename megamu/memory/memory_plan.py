@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamu.errors import ConfigError
-from megamu.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
+from megamu.memory.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
+from megamu.memory.model_shape import ModelShape, padded_vocab, require_positive
 from megamu.mode import mode_of
-from megamu.model_shape import ModelShape, padded_vocab, require_positive
 
 __all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
 
@@ -92,7 +92,7 @@ class MemoryPlanConfig:
     cuda_context_gib: float = CUDA_CONTEXT_GIB
     temperature: float = 1.0  # the log-probs' T: at T != 1 one more fp32 copy of the logits
     reference_model: bool = False  # the KL term's frozen π_ref (training/reference.py): params like the actor's
-    # the host plan (megamu.memory_plan_phases): None plans no host memory (a caller with no node to read)
+    # the host plan (megamu.memory.memory_plan_phases): None plans no host memory (a caller with no node to read)
     host_memory_gib: float | None = None  # a run's: RunConfig.host_memory_gib (--host-memory-gib)
     ranks_per_node: int = 8  # trainer ranks (GPUs) on one node
     reward_workers: int = 0
@@ -254,7 +254,7 @@ class MemoryPlan:
         self.config = config
         self._rows = rows
         self._no_kv_cache = list(no_kv_cache or [])  # servers SGLang would refuse to start
-        self.host = host  # megamu.memory_plan_phases.HostPlan, per node; None without --host-memory-gib
+        self.host = host  # megamu.memory.memory_plan_phases.HostPlan, per node; None without --host-memory-gib
 
     def rows(self) -> list[Row]:
         return list(self._rows)

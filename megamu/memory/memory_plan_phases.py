@@ -1,5 +1,5 @@
 """The memory plan's checkpoint phase (per GPU) and its host-memory plan (per node). Pure arithmetic, like
-``megamu.memory_plan``, which calls ``checkpoint_rows`` and ``plan_host``.
+``megamu.memory.memory_plan``, which calls ``checkpoint_rows`` and ``plan_host``.
 
 Checkpoint (per GPU): a save runs after an update with the trainer's state resident (and, colocated, the servers'
 memory released as in training). megamu's GPU optimiser assembles each parameter's full (TP-local) optimiser state on
@@ -140,8 +140,8 @@ class HostPlan:
 
 def param_tensor_numels(m, tp: int, ep: int) -> tuple[list[int], list[int]]:
     """(dense, expert) parameter tensors on one trainer rank, as numels: what megatron's optimiser keeps one main
-    param and two moments for. ``m``: a ``megamu.model_shape.ModelShape``; the vocab as megatron pads it."""
-    from megamu.model_shape import padded_vocab
+    param and two moments for. ``m``: a ``megamu.memory.model_shape.ModelShape``; the vocab as megatron pads it."""
+    from megamu.memory.model_shape import padded_vocab
 
     h, f, q, kv, d = m.hidden_size, m.ffn_hidden_size, m.q_width, m.kv_width, m.head_dim
     layer = [h * (q + kv) // tp, q * h // tp, h, h]  # qkv, output projection, the two norms

@@ -124,9 +124,10 @@ def torch_dist_to_hf(load_dir: str | Path, hf_source_dir: str | Path, out_dir: s
     """The latest torch_dist checkpoint in ``load_dir`` (megamu's, Megatron-LM's) -> HF folder, through mbridge.
     ``hf_source_dir`` gives the config and tokenizer (the model the checkpoint was trained from)."""
     from megamu.convert.checkpoint import _write_hf
-    from megamu.convert.io import DEFAULT_SHARD_BYTES, atomic_dir
+    from megamu.convert.io import DEFAULT_SHARD_BYTES
     from megamu.model import build_model
     from megamu.runtime import parallel
+    from megamu.runtime.atomic import atomic_dir
     from megamu.training.checkpoint import load_model_checkpoint
 
     arch = ModelArch.from_hf(Path(hf_source_dir))

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import torch
 
-from megamu.convert.io import DEFAULT_SHARD_BYTES, SafetensorsDir, atomic_dir, copy_meta_files, write_sharded
+from megamu.convert.io import DEFAULT_SHARD_BYTES, SafetensorsDir, copy_meta_files, write_sharded
 from megamu.convert.mapping import check_hf_names, fuse, mcore_to_hf_tensors, plan
 from megamu.convert.tp import full_state_dict, load_full_state_dict
 from megamu.model.config import ModelArch
+from megamu.runtime.atomic import atomic_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONFIG_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

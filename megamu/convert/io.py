@@ -1,13 +1,11 @@
-"""Streaming safetensors folders: lazy reader, sharded writer, atomic directory replacement."""
+"""Streaming safetensors folders: lazy reader, sharded writer (atomic folder replacement is megamu.runtime.atomic's)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -152,37 +150,3 @@ def copy_meta_files(src: Path, dst: Path, skip: Iterable[str] = ()) -> None:
     for f in sorted(Path(src).iterdir()):
         if f.is_file() and f.name not in skip and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(f, dst / f.name)
-
-
-def make_temp_dir(out_dir: str | Path) -> Path:
-    """An empty temp folder beside ``out_dir``, to be moved into place by ``replace_dir``."""
-    out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; engines may run as another user
-    return tmp
-
-
-def replace_dir(tmp: Path, out_dir: str | Path) -> None:
-    """Move the complete ``tmp`` to ``out_dir``; an old ``out_dir`` is removed only after the new one is in place."""
-    out = Path(out_dir).absolute()
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
-    """Yield an empty temp folder beside ``out_dir``; on success it replaces ``out_dir`` (old one removed only after
-    the new one is in place), on error it is deleted. A reader never sees a half-written ``out_dir``."""
-    tmp = make_temp_dir(out_dir)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out_dir)

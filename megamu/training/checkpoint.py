@@ -32,11 +32,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from megamu.convert.io import make_temp_dir, replace_dir
 from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.runtime import parallel
-from megamu.runtime.atomic import atomic_write_text
+from megamu.runtime.atomic import atomic_write_text, make_temp_dir, replace_dir
 from megamu.training.checkpoint_dirs import (
     TRACKER,
     CheckpointError,

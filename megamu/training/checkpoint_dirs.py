@@ -13,9 +13,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megamu.convert.io import replace_dir
 from megamu.runtime import parallel
-from megamu.runtime.atomic import atomic_write_text, remove_dir
+from megamu.runtime.atomic import atomic_write_text, remove_dir, replace_dir
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # a tracker saying "release" names save_dir/release (Megatron-LM's; slime's converter writes it)

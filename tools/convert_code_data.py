@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from a checkout
 
-from megamu.data.code_tests import parse_code_tests  # noqa: E402
+from megamu.reward.code_tests import parse_code_tests  # noqa: E402
 from megamu.runtime.atomic import atomic_write_text  # noqa: E402
 
 STDIO_NOTE = "Read the input from standard input and write the answer to standard output."

@@ -49,7 +49,7 @@ NUM_CASES = 3
 
 
 def code_problems(n: int, seed: int) -> list[dict]:
-    """``n`` rows {"problem", "tests", "solution"} (tests as in ``megamu.data.code_tests``; solution: reference
+    """``n`` rows {"problem", "tests", "solution"} (tests as in ``megamu.reward.code_tests``; solution: reference
     code). The constant k and the test arguments are drawn from ``seed``."""
     rng = random.Random(seed)
     rows = []

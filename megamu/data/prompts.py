@@ -1,7 +1,7 @@
 """Prompt datasets: JSONL / JSON array / Parquet rows of (problem, answer), verl's rows (chat ``prompt``,
 ``reward_model.ground_truth``, ``data_source``, ``extra_info``) or slime's (--input-key messages, --label-key).
 
-A code row's answer is its tests (``megamu.data.code_tests``): a JSON object, or a JSON string of one. It is checked
+A code row's answer is its tests (``megamu.reward.code_tests``): a JSON object, or a JSON string of one. It is checked
 like any answer and travels as canonical JSON text; such rows get ``code_instruction`` instead of the math one.
 
 Every row is checked and tokenized before any generation starts, so a bad row fails the run in seconds with its
@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megamu.data.code_tests import tests_json
+from megamu.reward.code_tests import tests_json
 from megamu.reward.signatures import RowMeta
 
 # The paper's instruction, appended to every problem after a space.

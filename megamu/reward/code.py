@@ -1,4 +1,4 @@
-"""Code reward: run the last fenced Python block of a response against a prompt's tests (``megamu.data.code_tests``).
+"""Code reward: run the last fenced Python block of a response against a prompt's tests (``megamu.reward.code_tests``).
 
 Each execution is one sandboxed process (``megamu.reward.sandbox``, or a remote sandbox service through
 ``megamu.reward.remote``): an assert program (HumanEval / MBPP) runs once with its tests; a stdin/stdout problem runs
@@ -16,7 +16,7 @@ import re
 import secrets
 import time
 
-from megamu.data.code_tests import CodeTests, parse_code_tests
+from megamu.reward.code_tests import CodeTests, parse_code_tests
 from megamu.reward.sandbox import RunResult, SandboxLimits, run_python
 
 CODE_MODES = ("all", "fraction")

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from megamu.data.code_task import code_problems, reference_solution
-from megamu.data.code_tests import parse_code_tests
 from megamu.reward import RewardConfig, make_scorer
 from megamu.reward.code import code_score, extract_code, outputs_match
+from megamu.reward.code_tests import parse_code_tests
 from tests.processes import group_members, pid_alive
 from tests.reward.sandbox_checks import nothing_left_behind
 

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.load.is_dir():
         parser.error(f"--load {args.load}: no such folder")
 
-    from megamu.convert.bridge import hf_to_torch_dist, torch_dist_to_hf
     from megamu.runtime.parallel import init_distributed
+    from megamu.training.torch_dist import hf_to_torch_dist, torch_dist_to_hf
 
     init_distributed(1)
     try:

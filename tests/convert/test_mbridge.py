@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamu.convert.bridge import hf_to_torch_dist, supported_families
+from megamu.convert.bridge import supported_families
 from megamu.convert.io import SafetensorsDir
 from megamu.runtime.parallel import init_distributed
+from megamu.training.torch_dist import hf_to_torch_dist
 from tests.convert.conftest import CASES
 from tests.torchrun import run_torchrun
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamu.convert.bridge import hf_to_torch_dist
 from megamu.convert.io import SafetensorsDir
 from megamu.runtime.parallel import init_distributed
+from megamu.training.torch_dist import hf_to_torch_dist
 from tests.tiny import save_tiny_model
 from tests.torchrun import run_torchrun
 

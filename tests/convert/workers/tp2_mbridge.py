@@ -40,9 +40,9 @@ def main(args):
     from transformers import AutoModelForCausalLM
 
     from megamu.convert import export_hf
-    from megamu.convert.bridge import torch_dist_to_hf
     from megamu.model import ModelArch, forward_logprobs
     from megamu.runtime.parallel import init_distributed, tp_group
+    from megamu.training.torch_dist import torch_dist_to_hf
 
     torch.set_num_threads(1)
     init_distributed(2)

@@ -28,9 +28,9 @@ def main(hf_dir, dist_dir, mbridge_export, megamu_export):
     from megatron.core import parallel_state
 
     from megamu.convert import export_hf
-    from megamu.convert.bridge import torch_dist_to_hf
     from megamu.model import ModelArch, build_model
     from megamu.runtime.parallel import init_distributed
+    from megamu.training.torch_dist import torch_dist_to_hf
     from tests.convert.workers.tp2_mbridge import three_loads_agree
 
     torch.set_num_threads(1)

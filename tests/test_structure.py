@@ -94,6 +94,70 @@ def test_no_import_cycle():
             visit(name, [])
 
 
+def folder_of(module: str) -> str:
+    """The room a module lives in: its subpackage of megamu (``megamu.training.policy`` -> ``megamu.training``), or
+    the module itself when it lies loose at megamu's top level."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else module
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (found := visit(name, [name])):
+            return found
+    return None
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """Arrows between megamu's subpackages (and loose modules), lazy imports counted: an arrow a -> b when some
+    module of a imports one of b."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name == "megamu":
+            continue
+        src = folder_of(name)
+        graph.setdefault(src, set()).update(
+            folder_of(m) for m in module_imports(path, top_level_only=False) if m in MODULES and m != "megamu")
+        graph[src].discard(src)
+    return graph
+
+
+def test_no_folder_level_cycle():
+    """The rooms form layers: no package imports one that imports it back, through any chain and at any depth
+    (today's main had convert <-> training and data <-> reward, each through one module)."""
+    cycle = find_cycle(folder_graph())
+    assert cycle is None, "folder cycle: " + " -> ".join(cycle)
+
+
+def test_the_folder_scan_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    assert folder_of("megamu.training.policy") == folder_of("megamu.training") == "megamu.training"
+    assert folder_of("megamu.mode") == "megamu.mode"
+
+
+LOOSE_MODULES_MAX = 3
+
+
+def test_megamu_holds_packages_and_at_most_three_loose_modules():
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= LOOSE_MODULES_MAX, loose
+    packages = [d for d in PACKAGE.iterdir() if d.is_dir() and d.name != "__pycache__"]
+    assert all((d / "__init__.py").exists() for d in packages)
+
+
 def _bad_configs():
     from megamu.config.loop_config import AsyncConfig
     from megamu.config.plan import AsyncPlan, StagedPlan

@@ -42,6 +42,7 @@ from megamu.config.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_conf
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
 from megamu.memory.memory_fixes import fixes
+from megamu.mode import mode_of
 from megamu.rollout import RolloutConfig
 from megamu.runtime.device import Device
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
@@ -140,7 +141,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
             _error("--global-batch-size", f"{args.global_batch_size} samples is not a whole number of groups of "
                                           f"--n-samples-per-prompt {args.n_samples_per_prompt}")
         args.prompts_per_update = args.global_batch_size // args.n_samples_per_prompt
-    if args.rollout_mode == "async":
+    if mode_of(args.rollout_mode).streams:  # async: updates on a stream, no stages
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
                                           "and --prompts-per-update")

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from megamu.engines import make_engine
 from megamu.engines.local import LocalEngine
-from megamu.engines.sglang.client import SGLangEngine, SGLangError, _stop_processes, parse_sample
-from megamu.engines.sglang.launch import group_alive
+from megamu.engines.sglang.client import SGLangEngine, SGLangError, parse_sample
+from megamu.engines.sglang.launch import group_alive, stop_processes
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
 from tests.rollout.schema_server import SchemaServer
@@ -148,7 +148,7 @@ def test_shutdown_waits_for_children_that_outlive_the_leader(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", LINGERING_CHILD, str(marker)], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     child = int(proc.stdout.readline())
-    _stop_processes([proc], grace_s=30)
+    stop_processes([proc], grace_s=30)
     assert marker.read_text() == "released"  # not SIGKILLed as soon as the leader was gone
     assert not pid_alive(child) and not group_alive(proc.pid)
 
@@ -159,7 +159,7 @@ def test_shutdown_kills_the_server_process_group():
                             start_new_session=True)
     child = int(proc.stdout.readline())
     t0 = time.monotonic()
-    _stop_processes([proc], grace_s=0.5)
+    stop_processes([proc], grace_s=0.5)
     assert time.monotonic() - t0 < 5
     deadline = time.monotonic() + 5
     while pid_alive(child) and time.monotonic() < deadline:

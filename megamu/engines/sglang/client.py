@@ -38,7 +38,6 @@ from megamu.engines.sglang.launch import (
     SGLangConfig,
     stop_processes,
 )
-from megamu.engines.sglang.launch import stop_processes as _stop_processes  # noqa: F401  (tests import it here)
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError, parse_sample, sampling_payload
 from megamu.engines.sglang.server_weights import ServerWeights

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from megamu.engines.sglang.client import SGLangEngine
-from megamu.engines.sglang.cpu_build import cpu_config
 from megamu.engines.sglang.weight_sync import LogprobProbe
+from tests.sglang_real.cpu_build import cpu_config
 from tests.tiny import save_tiny_model
 
 

@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM
 
 from megamu.data.prompts import PromptRecord
 from megamu.engines.sglang.client import SGLangEngine
-from megamu.engines.sglang.cpu_build import cpu_config
 from megamu.engines.types import SamplingParams
 from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
 from tests.processes import pid_alive
+from tests.sglang_real.cpu_build import cpu_config
 from tests.tiny import build_char_tokenizer, save_tiny_model
 from tests.torchrun import server_ports
 

@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
-from megamu.engines.sglang.cpu_build import API_KEY, cpu_config
 from megamu.engines.sglang.weight_sync import LogprobProbe, WeightMismatch
 from megamu.engines.types import GenerateRequest, PromptError, SamplingParams
 from tests.processes import group_members, pid_alive
+from tests.sglang_real.cpu_build import API_KEY, cpu_config
 from tests.tiny import save_tiny_model
 from tests.torchrun import server_ports
 
@@ -234,8 +234,8 @@ def test_tensor_payload_is_what_sglang_reads(tmp_path):
     FlattenedTensorBucket) in the CPU build's interpreter: every tensor bitwise."""
     import subprocess
 
-    from megamu.engines.sglang.cpu_build import sglang_cpu_paths
     from megamu.engines.sglang.tensor_sync import serialize_bucket
+    from tests.sglang_real.cpu_build import sglang_cpu_paths
 
     named = [("x.weight", torch.randn(4, 6)), ("y.bias", torch.arange(5, dtype=torch.float32))]
     payload, keep = serialize_bucket(named)
@@ -320,7 +320,7 @@ def test_evaluate_tool_serves_bf16_exports_in_bfloat16(served, tmp_path):
     (not float32, which would refuse the second export's bf16 tensors at its layout check)."""
     import sys
 
-    from megamu.engines.sglang.cpu_build import CPU_SERVER_ARGS, sglang_cpu_paths
+    from tests.sglang_real.cpu_build import CPU_SERVER_ARGS, sglang_cpu_paths
 
     run = tmp_path / "run"
     for stage, seed in ((0, 1), (1, 2)):

@@ -1,6 +1,6 @@
 """How megamu launches the CPU build of SGLang 0.5.23 (the project's shared/sglang-cpu recipe): another Python, its
-environment, launch.sh's flags. Used by the real-server tests (make test-sglang) and the SGLang benches; on a cluster
-the same fields come from --sglang-python / --sglang-env / --sglang-server-args."""
+environment, launch.sh's flags. Used by the real-server tests (make test-sglang) and the SGLang benches
+(bench/sglang_sync.py); on a cluster the same fields come from --sglang-python / --sglang-env / --sglang-server-args."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CPU_SERVER_ARGS = (
 def sglang_cpu_paths() -> tuple[Path, Path]:
     venv = Path(os.environ.get("MEGAMU_SGLANG_VENV", Path.home() / ".cache" / "megamu" / "sglang-cpu-venv"))
     """(the build's venv, the recipe folder), from MEGAMU_SGLANG_VENV / MEGAMU_SGLANG_CPU or their defaults."""
-    repo = Path(__file__).resolve().parents[3]  # shared/ sits beside the checkout (or beside its worktree folder)
+    repo = Path(__file__).resolve().parents[2]  # shared/ sits beside the checkout (or beside its worktree folder)
     places = [repo.parent / "shared" / "sglang-cpu", repo.parents[1] / "shared" / "sglang-cpu"]
     cpu_dir = Path(os.environ.get("MEGAMU_SGLANG_CPU") or next((d for d in places if d.is_dir()), places[0]))
     if not (venv / "bin" / "python").exists() or not (cpu_dir / "stubs").is_dir():

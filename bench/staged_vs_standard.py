@@ -18,7 +18,7 @@ from bench.harness import report, run_trainer, tiny_llama
 def trainer_rows(model: Path | None, save: Path, flags: list[str], eval_prompts: int = 0) -> list[dict]:
     """The metrics records of one trainer run on the bench's task: ``model`` (None: the demo's, on its task)."""
     # the tiny random model earns no math reward: score it with the toy digit reward instead
-    task = ["--hf-checkpoint", str(model), "--reward-fn", "megamu.reward.toy:has_digit"] if model else []
+    task = ["--hf-checkpoint", str(model), "--reward-fn", "tests.e2e.rewards:has_digit"] if model else []
     return run_trainer([*task, "--eval-prompts", str(eval_prompts), "--n-samples-per-prompt", "8",
                         "--rollout-max-response-len", "48", "--micro-batch-size", "16", "--seed", "3", *flags],
                        save).rows

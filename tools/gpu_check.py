@@ -212,7 +212,7 @@ def stage_flags(hf: Path, save: Path, cuda: bool) -> list[str]:
     engine; the reward (any digit in the answer) is one a random tiny model earns, so advantages are not all 0."""
     return ["--hf-checkpoint", str(hf), "--save", str(save), "--num-stages", "1", "--prompts-per-stage", "4",
             "--prompts-per-update", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "12",
-            "--eval-prompts", "0", "--micro-batch-size", "4", "--reward-fn", "megamu.reward.toy:has_digit",
+            "--eval-prompts", "0", "--micro-batch-size", "4", "--reward-fn", "tests.e2e.rewards:has_digit",
             "--no-skip-zero-advantage", "--seed", "7", "--rollout-engine", "local",
             *(["--bf16", "--transformer-impl", "local"] if cuda else [])]
 

@@ -1,6 +1,11 @@
-"""The tiny models' reward, under the name the tests pass as --reward-fn (megamu/reward/toy.py holds it)."""
+"""Rewards the tiny random models of tests.tiny can earn, for tests, benches and tools/gpu_check.py (as
+``--reward-fn tests.e2e.rewards:has_digit``, run from the checkout): their char-level outputs contain digits at random,
+so groups get mixed rewards and every algorithm preset sees non-zero advantages (math answers would score 0 for every
+sample)."""
 
-from megamu.reward.toy import has_digit  # noqa: F401
+
+def has_digit(response: str, ground_truth: str) -> float:
+    return float(any(c.isdigit() for c in response))
 
 
 def slow_has_digit(response: str, ground_truth: str) -> float:

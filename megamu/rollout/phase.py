@@ -221,15 +221,9 @@ def run_rollout_phase(
     next call running while the last one's shards are scored and written. Either way a shard's contents depend only
     on its prompts and seeds, and a crash loses only the shards not yet written.
     """
-    from tqdm import tqdm
-
     out = Path(out_dir)
     if (out / MANIFEST).exists():
-        manifest = read_manifest(out)
-        if manifest.num_groups != len(prompts) or manifest.group_size != n_samples:
-            raise RuntimeError(f"{out / MANIFEST} is a finished stage of {manifest.num_groups} groups x "
-                               f"{manifest.group_size}, not {len(prompts)} x {n_samples}; use a fresh directory")
-        return manifest
+        return _finished_stage(out, len(prompts), n_samples)
     out.mkdir(parents=True, exist_ok=True)
     sampling = replace(sampling, n=n_samples, seed=sampling.seed if sampling.seed is not None else 0)
     prompts_sha256 = hashlib.sha256(json.dumps([p.prompt_ids for p in prompts]).encode()).hexdigest()
@@ -241,22 +235,17 @@ def run_rollout_phase(
     todo = sum(len(c) for c, d in zip(chunks, done) if not d) * n_samples
     mode = getattr(engine, "deterministic", None)
     if any(done):
-        print(f"[rollout] stage {stage}: resuming, {sum(done)}/{len(chunks)} shards already in {out}, made "
-              f"{_mode_words(combined_mode([shard_mode(out / shard_name(k)) for k in range(len(chunks)) if done[k]]))}"
-              f"; the missing shards are drawn {_mode_words(mode)}"
-              + ("" if mode else " (new samples, not those an uninterrupted run would have drawn; "
-                                                 "--rollout-deterministic makes SGLang honour the seeds)"))
-    bar = tqdm(total=todo, desc=f"rollout stage {stage}", unit="sample", dynamic_ncols=True)
-    n_tokens, reward_sum, n_done, t0 = 0, 0.0, 0, time.monotonic()
+        _announce_resume(out, stage, done, mode)
     missing = [k for k in range(len(chunks)) if not done[k]]
+    progress = _Progress(stage, todo, len(missing), groups_per_shard)
     shard_requests = {k: stage_requests(chunks[k], sampling, n_samples, stage) for k in missing}
     engine.check_requests([r for reqs in shard_requests.values() for r in reqs])  # every bad prompt, before any work
     engine.begin_stage()
     in_flight = max_in_flight or engine.max_in_flight
     stream = _streamed_shards(engine, shard_requests, in_flight) if in_flight else \
         _called_shards(engine, shard_requests, shards_per_call)
-    t_last, written = time.monotonic(), 0
-    errors0, timeouts0 = getattr(scorer, "num_errors", 0), getattr(scorer, "num_timeouts", 0)
+    t_last = time.monotonic()
+    progress.watch(scorer)
     for k, generated in stream:
         shard = score_groups(engine, chunks[k], generated, n_samples, scorer, tokenizer, stage=stage,
                              policy_version=policy_version, overlong=overlong)
@@ -264,24 +253,80 @@ def run_rollout_phase(
         # the shards' times add up to the phase's
         write_shard(out, k, shard, t_generate_s=now - t_last, deterministic=mode)
         t_last = now
-        flat = [s for g in shard for s in g]
-        n_tokens += sum(s.response_length for s in flat)
-        reward_sum += sum(s.reward for s in flat)
-        n_done += len(flat)
-        bar.update(len(flat))
+        progress.count([s for g in shard for s in g])
         crash_point("shard", k)
-        dt = max(time.monotonic() - t0, 1e-9)
-        written += 1
-        if written == 1 and len(missing) > 1:  # one estimate, as soon as there is a measured shard to base it on
-            bar.write(f"[rollout] stage {stage}: {dt:.0f}s for the first shard of {groups_per_shard} groups on this "
-                      f"machine: about {(len(missing) - 1) * dt / 60:.1f} min more for this stage's rollout")
-        failed = reward_failures(scorer, errors0, timeouts0)
-        bar.set_postfix(samples_s=f"{n_done / dt:.1f}", tok_s=f"{n_tokens / dt:.0f}",
-                        reward=f"{reward_sum / max(n_done, 1):.3f}", reward_errors=failed["reward_errors"],
-                        reward_timeouts=failed["reward_timeouts"])
-    bar.close()
+        progress.report()
+    progress.close()
     manifest = finish_stage(out, len(chunks), n_samples, stage, policy_version, sampling, engine, model_path,
-                       reward_failures(scorer, errors0, timeouts0), overlong)
+                            progress.failures(), overlong)
+    _print_stage_summary(manifest, stage, n_samples)
+    return manifest
+
+
+def _finished_stage(out: Path, num_groups: int, n_samples: int) -> StageManifest:
+    """The manifest of a stage already written in ``out``, if it is the stage asked for."""
+    manifest = read_manifest(out)
+    if manifest.num_groups != num_groups or manifest.group_size != n_samples:
+        raise RuntimeError(f"{out / MANIFEST} is a finished stage of {manifest.num_groups} groups x "
+                           f"{manifest.group_size}, not {num_groups} x {n_samples}; use a fresh directory")
+    return manifest
+
+
+def _announce_resume(out: Path, stage: int, done: list[bool], mode: bool | None) -> None:
+    """The line a resumed stage starts with: how many shards are in, how they and the missing ones are drawn."""
+    print(f"[rollout] stage {stage}: resuming, {sum(done)}/{len(done)} shards already in {out}, made "
+          f"{_mode_words(combined_mode([shard_mode(out / shard_name(k)) for k in range(len(done)) if done[k]]))}"
+          f"; the missing shards are drawn {_mode_words(mode)}"
+          + ("" if mode else " (new samples, not those an uninterrupted run would have drawn; "
+                                             "--rollout-deterministic makes SGLang honour the seeds)"))
+
+
+class _Progress:
+    """A stage's progress bar: samples, tokens and reward so far, one estimate of the time left after the first
+    shard, and the reward calls that failed in this stage (counted from ``watch``)."""
+
+    def __init__(self, stage: int, todo: int, num_missing: int, groups_per_shard: int):
+        from tqdm import tqdm
+
+        self.stage, self.num_missing, self.groups_per_shard = stage, num_missing, groups_per_shard
+        self.bar = tqdm(total=todo, desc=f"rollout stage {stage}", unit="sample", dynamic_ncols=True)
+        self.n_tokens, self.reward_sum, self.n_done, self.t0 = 0, 0.0, 0, time.monotonic()
+        self.written = 0
+        self.scorer, self.errors0, self.timeouts0 = None, 0, 0
+
+    def watch(self, scorer) -> None:
+        """Count the reward failures of ``scorer`` from now on."""
+        self.scorer = scorer
+        self.errors0, self.timeouts0 = getattr(scorer, "num_errors", 0), getattr(scorer, "num_timeouts", 0)
+
+    def failures(self) -> dict[str, int]:
+        return reward_failures(self.scorer, self.errors0, self.timeouts0)
+
+    def count(self, samples: list[RolloutSample]) -> None:
+        """A shard written: its samples, tokens and rewards."""
+        self.n_tokens += sum(s.response_length for s in samples)
+        self.reward_sum += sum(s.reward for s in samples)
+        self.n_done += len(samples)
+        self.bar.update(len(samples))
+
+    def report(self) -> None:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        self.written += 1
+        # one estimate, as soon as there is a measured shard to base it on
+        if self.written == 1 and self.num_missing > 1:
+            self.bar.write(f"[rollout] stage {self.stage}: {dt:.0f}s for the first shard of {self.groups_per_shard} "
+                           f"groups on this machine: about {(self.num_missing - 1) * dt / 60:.1f} min more for this "
+                           "stage's rollout")
+        failed = self.failures()
+        self.bar.set_postfix(samples_s=f"{self.n_done / dt:.1f}", tok_s=f"{self.n_tokens / dt:.0f}",
+                             reward=f"{self.reward_sum / max(self.n_done, 1):.3f}",
+                             reward_errors=failed["reward_errors"], reward_timeouts=failed["reward_timeouts"])
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _print_stage_summary(manifest: StageManifest, stage: int, n_samples: int) -> None:
     servers = manifest.extra.get("servers") or []
     if servers:
         print(f"[rollout] stage {stage}: per server (requests, samples/s, restarts): " + ", ".join(
@@ -293,7 +338,6 @@ def run_rollout_phase(
         f"mean length {manifest.mean_response_length:.1f} | reward errors {manifest.extra.get('reward_errors', 0)}, "
         f"timeouts {manifest.extra.get('reward_timeouts', 0)}"
     )
-    return manifest
 
 
 def reward_failures(scorer, errors0: int, timeouts0: int) -> dict[str, int]:

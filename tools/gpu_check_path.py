@@ -7,7 +7,10 @@ measured peaks, the push-bucket allocation, and the expert-parallel micro-batch 
             plan must not under-estimate; more than 2x over is reported as loose (still a pass).
   buckets   a push bucket flattened under ``expandable_segments:True`` lands in a non-expandable segment (a plain CUDA
             IPC handle, no pidfd_getfd), and torch exports it
-  ep-agree  at EP = 1 the agreement is the rank's own count and enters no collective
+  plan te   the same at one micro-batch size on Transformer Engine's spec, where transformer_engine imports (skip
+            with the reason otherwise)
+  ep-agree  at EP 2 (a torchrun world of 2, tiny Qwen3-MoE): a rank with nothing to train still enters the other's
+            number of passes; skip with the reason on one GPU
 
 ``compare`` is pure (tested on CPU); the rest needs megatron and, for the numbers, a GPU (``cuda=False``: the same
 code on the CPU, where ``max_memory_allocated`` does not exist, so the plan rows only report the plan).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from pathlib import Path
 
 LOOSE = 2.0  # planned / measured above this: the plan is safe but loose, worth a look
 
@@ -44,7 +48,7 @@ def compare(p: PlanPoint) -> tuple[bool, str]:
 
 
 def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len: int, cuda: bool,
-               samples) -> PlanPoint:
+               samples, transformer_impl: str = "local") -> PlanPoint:
     """Train one update to create the Adam state, then measure the next one's peak above the resident state."""
     import torch
 
@@ -61,7 +65,7 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
         gc.collect()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        model = build_model(arch, device=Device("cuda"), transformer_impl="local", bf16=True,
+        model = build_model(arch, device=Device("cuda"), transformer_impl=transformer_impl, bf16=True,
                             recompute_granularity=recompute)
         opt = build_optimizer(model, OptimizerConfig(lr=1e-6), Device("cuda"))
         algo = ALGORITHM_PRESETS["mu-grpo"]
@@ -77,7 +81,7 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     plan = plan_memory(MemoryPlanConfig(
         model=ModelShape.from_hf_config(config.to_dict()), micro_batch_size=mbs, max_seq_len=seq_len,
         max_response_len=seq_len - prompt_len, params_dtype="bf16", recompute_granularity=recompute,
-        transformer_impl="local", rollout_mode="async"))
+        transformer_impl=transformer_impl, rollout_mode="async"))
     rows = {r.part: r.bytes for r in plan.rows() if r.phase == "training" and r.counted}
     planned_state = sum(b for part, b in rows.items() if part.startswith(("params", "fp32", "Adam")))
     planned_step = sum(b for part, b in rows.items() if part.startswith(("activations", "logits")))
@@ -116,12 +120,49 @@ def bucket_is_shareable(cuda: bool) -> tuple[bool, str]:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
 
 
-def ep_agreement(cuda: bool) -> tuple[bool, str]:
-    """At EP = 1 (one GPU): each count is its own, no collective entered."""
+EP_WORKER = Path(__file__).resolve().parents[1] / "tests" / "training" / "workers" / "ep_agree_worker.py"
+
+
+def ep_agree_verdict(rows: list[list[float]]) -> tuple[bool, str]:
+    """The EP-2 worker's rows, one per rank: (training passes, log-prob passes, real micro-batches, non-expert
+    gradient, expert gradient). Rank 0's share is all zero-advantage: it must still enter rank 1's number of passes
+    (padding, zero gradient outside the experts) and both ranks two log-prob passes."""
+    (train0, lp0, real0, grad0, _), (train1, lp1, real1, grad1, experts1) = rows
+    ok = real0 == 0 and real1 > 0 and train0 == train1 == real1 and grad0 == 0.0 and grad1 > 0.0 \
+        and experts1 > 0.0 and lp0 == lp1 == 2
+    return ok, f"EP 2: passes {train0}/{train1} (real {real0}/{real1}), log-prob passes {lp0}/{lp1}"
+
+
+def ep_agreement(cuda: bool) -> tuple[bool | None, str]:
+    """The micro-batch agreement at EP 2 with a tiny Qwen3-MoE (tests/training/workers/ep_agree_worker.py, a
+    torchrun world of 2): on CUDA the device's own spec and dispatcher (alltoall); on the CPU megatron's alltoall
+    dispatcher through tests/cpu_cuda_shim.py. None (skip) with the reason on a machine with one GPU: EP 1 enters
+    no collective, so a pass there would prove nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
     import torch
 
-    from megamu.runtime import parallel
+    if cuda and torch.cuda.device_count() < 2:
+        return None, f"needs 2 GPUs for EP 2, this machine has {torch.cuda.device_count()}"
+    from tests.tiny import save_tiny_model
 
-    device = torch.device("cuda" if cuda else "cpu")
-    counts = [parallel.ep_agreed_count(n, device) for n in (0, 1, 7)]
-    return parallel.ep_size() == 1 and counts == [0, 1, 7], f"EP {parallel.ep_size()}: agreed counts {counts}"
+    with tempfile.TemporaryDirectory(prefix="ep-agree-") as tmp:
+        hf, out = Path(tmp) / "hf", Path(tmp) / "rows.json"
+        save_tiny_model(hf, "qwen3_moe", 0)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EP_WORKER), str(hf), str(out)] + ([] if cuda else ["alltoall"])
+        # this process's own world (gpu_check's, of one) must not leak its rendezvous into the new one
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        except subprocess.TimeoutExpired:
+            return False, "EP 2 world did not finish in 300 s (a rank left waiting in a collective)"
+        if proc.returncode != 0:
+            return False, f"EP 2 world failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+        return ep_agree_verdict(json.loads(out.read_text()))

@@ -35,8 +35,13 @@ def check_megatron_arguments(args: argparse.Namespace, prompts_per_update: int) 
             _error(flag, f"megamu runs {flag[2:].replace('-', ' ')} 1 only, got {value}: use "
                          "--tensor-model-parallel-size (and --expert-model-parallel-size for MoE) to split the model")
     if args.sequence_parallel:
+        # not tested, so not offered: megatron-core 0.16.1's local-spec norm asserts not sequence_parallel
+        # (transformer/torch_norm.py:32) and SP's gather/reduce-scatter allocate on CUDA (tensor_parallel/mappings.py
+        # :141, :181), so no CPU run can compare TP 2 + SP with TP 1 (tests/model/test_sequence_parallel_upstream.py)
         _error("--sequence-parallel", "not supported: megamu's tensor-parallel layers keep full-sequence activations "
-                                      "(drop the flag; --recompute-granularity saves activation memory instead)")
+                                      "(megatron-core's SP cannot be tested on CPU: its local-spec norm refuses it, "
+                                      "torch_norm.py:32; drop the flag; --recompute-granularity saves activation "
+                                      "memory instead)")
     samples = prompts_per_update * args.n_samples_per_prompt
     if args.global_batch_size is not None and args.global_batch_size != samples:
         _error("--global-batch-size", f"{args.global_batch_size} samples per update contradicts "

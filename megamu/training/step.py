@@ -231,14 +231,17 @@ def compute_logprobs(
     done = 0
     chunks = split_micro_batches([samples[i] for i in order], micro_batch_size, max_tokens_per_micro_batch,
                                  share_prompts) if order else []
+    # Agreed before any pass: asked after them, a rank with fewer chunks sits in this all-reduce while another is
+    # in its next pass's MoE all-gather/all-to-all, and both wait until the collective timeout (seen at EP 2).
+    padding = parallel.ep_agreed_count(len(chunks), device) - len(chunks)
     for chunk in chunks:
         batch = pack(chunk, share_prompts).to(device)
         logp, _ = response_logprobs(model, batch, temperature=temperature)
         for i, values in zip(order[done : done + len(chunk)], unpack_response(logp, batch)):
             results[i] = values
         done += len(chunk)
-    zero_weight_passes(model, samples, parallel.ep_agreed_count(len(chunks), device) - len(chunks), device=device,
-                       temperature=temperature, share_prompts=share_prompts, backward=False)
+    zero_weight_passes(model, samples, padding, device=device, temperature=temperature, share_prompts=share_prompts,
+                       backward=False)
     if size > 1:
         gathered = parallel.all_gather_object(results, group=parallel.dp_group())
         results = {k: v for part in gathered for k, v in part.items()}

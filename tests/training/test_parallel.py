@@ -51,7 +51,12 @@ def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
     assert "rank 1 initialised" in str(failure.value) and "Timed out" in str(failure.value)
 
 
-def test_expert_parallel_ranks_run_the_same_number_of_micro_batches(tmp_path):
+# llama: a dense model (EP groups, no all-to-all). qwen3_moe: megatron-core's own alltoall dispatcher (the GPU path's)
+# through tests/cpu_cuda_shim.py, so rank 0's padding passes must meet rank 1's real ones in every all-to-all: without
+# the padding (megamu before parallel.ep_agreed_count) rank 0 leaves for the gradient all-reduce while rank 1 waits in
+# layer 0's dispatch, and gloo's 90 s timeout fails the run.
+@pytest.mark.parametrize("family,dispatcher", [("llama", ""), ("qwen3_moe", "alltoall")])
+def test_expert_parallel_ranks_run_the_same_number_of_micro_batches(tmp_path, family, dispatcher):
     """Every MoE layer's forward and backward is a collective over the expert-parallel group: megatron-core 0.16.1's
     MoEAlltoAllTokenDispatcher exchanges tokens with ``all_to_all(self.ep_group, ...)`` in ``token_dispatch`` and
     back in ``token_combine`` (transformer/moe/token_dispatcher.py:666 and :810), and autograd runs them again in the
@@ -59,11 +64,14 @@ def test_expert_parallel_ranks_run_the_same_number_of_micro_batches(tmp_path):
     data-parallel ranks, so a rank whose share is all zero-advantage (skipped) or shorter must still enter as many
     passes as the others: padded with zero-weight passes that leave its gradient at exactly zero."""
     hf = tmp_path / "hf"
-    save_tiny_model(hf, "llama", 0)  # written once here, read by both ranks
+    save_tiny_model(hf, family, 0)  # written once here, read by both ranks
     out = tmp_path / "rows.json"
-    run_torchrun(Path(__file__).parent / "workers" / "ep_agree_worker.py", 2, str(hf), str(out), timeout=240)
-    (train0, lp0, real0, grad0), (train1, lp1, real1, grad1) = json.loads(out.read_text())
+    run_torchrun(Path(__file__).parent / "workers" / "ep_agree_worker.py", 2, str(hf), str(out), dispatcher,
+                 timeout=240)
+    (train0, lp0, real0, grad0, experts0), (train1, lp1, real1, grad1, experts1) = json.loads(out.read_text())
     assert real0 == 0 and real1 > 0  # rank 0 had nothing to train, rank 1 had its share
     assert train0 == train1 == real1  # rank 0 entered rank 1's number of passes
     assert grad0 == 0.0 and grad1 > 0.0  # the padding passes are zero-weight
+    if dispatcher:  # rank 0's experts served rank 1's tokens: their gradient came back through the all-to-all
+        assert experts0 > 0.0 and experts1 > 0.0
     assert lp0 == lp1 == 2  # log-prob shares of 2 and 1 samples at micro-batch 1

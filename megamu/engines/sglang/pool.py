@@ -133,6 +133,23 @@ class ServerPool:
                 raise SGLangError(f"{what} on {url} failed: {out.get('message')}")
         return outs
 
+    def begin_weight_update(self, urls: list[str] | None = None) -> bool:
+        """Open an in-memory weight-update session; False where the server has no such session. SGLang 0.5.23 makes
+        ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` sit between ``/begin_weight_update``
+        and ``/end_weight_update`` (400 otherwise); 0.5.15.post1, the SGLang of slime's image that the Dockerfile
+        pins, has neither route (its ``http_server.py``: 404) and takes the updates unbracketed."""
+        try:
+            self.post_all("/begin_weight_update", {}, "begin weight update", urls)
+        except SGLangError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def end_weight_update(self, bracketed: bool, urls: list[str] | None = None) -> None:
+        if bracketed:
+            self.post_all("/end_weight_update", {}, "end weight update", urls)
+
     def leave_routers(self) -> None:
         """Remove the workers this engine added to routers, before the servers stop: no request goes there."""
         for router, worker in self.router_workers:

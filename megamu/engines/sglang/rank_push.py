@@ -81,8 +81,7 @@ class RankPush:
         if t.url is None:
             return 0
         bucket_bytes = int(self._cfg.weight_bucket_mb * 2**20)
-        if pool is not None:
-            pool.post_all("/begin_weight_update", {}, "begin weight update")
+        bracketed = pool is not None and pool.begin_weight_update()
         try:
             groups = buckets(state_dict, bucket_bytes)
             for k, names in enumerate(groups):
@@ -110,7 +109,7 @@ class RankPush:
                     raise RuntimeError(f"rank {parallel.rank()}: the push to {t.url} failed: {error}")
         finally:
             if pool is not None:
-                pool.post_all("/end_weight_update", {}, "end weight update")
+                pool.end_weight_update(bracketed)
         parallel.device().ipc_collect()
         return sent
 

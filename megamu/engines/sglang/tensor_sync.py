@@ -104,7 +104,7 @@ def send_tensors(pool: ServerPool, state_dict: dict[str, torch.Tensor], version:
     cfg, sent = pool.config, 0
     urls = list(urls) if urls is not None else pool.control_urls
     groups = buckets(state_dict, int(cfg.weight_bucket_mb * 2**20))
-    pool.post_all("/begin_weight_update", {}, "begin weight update", urls)
+    bracketed = pool.begin_weight_update(urls)
     try:
         for k, names in enumerate(groups):
             last = k == len(groups) - 1
@@ -123,7 +123,7 @@ def send_tensors(pool: ServerPool, state_dict: dict[str, torch.Tensor], version:
             ipc_collect()  # the blocks whose handles the servers closed (see rank_push.py)
             sent += sum(t.numel() * t.element_size() for _, t in named)
     finally:
-        pool.post_all("/end_weight_update", {}, "end weight update", urls)
+        pool.end_weight_update(bracketed, urls)
     ipc_collect()
     return sent
 

@@ -163,7 +163,7 @@ class WeightGroup:
         """Broadcast ``state_dict`` bucket by bucket inside one begin/end weight-update session; returns bytes."""
         pool, sent, urls = self.pool, 0, self.urls
         groups = buckets(state_dict, int(pool.config.weight_bucket_mb * 2**20))
-        pool.post_all("/begin_weight_update", {}, "begin weight update", urls)
+        bracketed = pool.begin_weight_update(urls)
         try:
             for k, names in enumerate(groups):
                 last = k == len(groups) - 1
@@ -181,7 +181,7 @@ class WeightGroup:
                         raise RuntimeError(f"{url}/update_weights_from_distributed failed: {out.get('message')}")
                 sent += flat.numel()
         finally:  # close the session even after a failed bucket (see ServerWeights.update for what that leaves)
-            pool.post_all("/end_weight_update", {}, "end weight update", urls)
+            pool.end_weight_update(bracketed, urls)
         return sent
 
     def close(self) -> None:

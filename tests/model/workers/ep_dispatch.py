@@ -28,11 +28,11 @@ def rank_loss(logits: torch.Tensor, rank: int) -> torch.Tensor:
 
 def main(hf_dir: str, out_dir: str) -> None:
     import megamu.model.config as model_config
-    from megamu import parallel
     from megamu.convert import load_hf_into_model
     from megamu.convert.tp import global_expert_name
     from megamu.model import ModelArch, build_model
     from megamu.model.spec import canonical_param_name
+    from megamu.runtime import parallel
 
     torch.set_num_threads(1)
     cpu_cuda_shim.install()

@@ -262,6 +262,7 @@ def test_a_returning_server_gets_the_pushed_weights_before_it_rejoins(tiny_llama
         running.join(timeout=60)
         assert not running.is_alive() and len(out) == 20  # every sample, none refused as stale
         assert [e["event"] for e in engine.health_events] == ["dead", "rejoined"]
+        assert "/abort_request" not in back.calls  # the refused port had nothing to abort; the returned one runs ours
         assert back.weight_version == "1" and back.calls[0] == "/update_weights_from_disk@1" and back.log
     finally:
         engine.shutdown()

@@ -273,9 +273,9 @@ class Supervisor:
             return
         st.misses = st.misses + 1 if miss else 0
         if st.misses >= self.cfg.probe_misses:
-            self._dead(i, f"it missed {st.misses} health probes in a row (last: {miss})")
+            self._dead(i, f"it missed {st.misses} health probes in a row (last: {miss})", may_still_run=True)
 
-    def _dead(self, i: int, why: str) -> None:
+    def _dead(self, i: int, why: str, may_still_run: bool = False) -> None:
         st = self.servers[i]
         if not st.alive:
             return
@@ -288,7 +288,9 @@ class Supervisor:
         self.events.append({"event": "dead", "url": st.url, "why": why, "time": time.time(), "moved": len(moved)})
         print(f"[sglang] server {st.url} is dead: {why}; its {len(moved)} request(s) in flight go to the live "
               "servers", flush=True)
-        if st.proc is None and moved:  # not ours to kill, and maybe only slow: it drops what it still runs
+        # Not ours to kill, and maybe only slow: it drops what it still runs. A port that refuses has nothing running
+        # behind it; an abort sent there could only reach a server that came back on that port since, and rejoined.
+        if st.proc is None and moved and may_still_run:
             # started after the "dead" event is recorded: a fast answer would otherwise log "aborted" before it
             threading.Thread(target=self._abort, args=(st.url,), daemon=True).start()
         if self.fatal is not None:

@@ -242,6 +242,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="the pre-registered run set, in order (fidelity_plan.py)")
     p.add_argument("--round2", action="store_true",
                    help="issue 42's registered arms (fidelity_plan.ARMS) in their order, like --plan")
+    p.add_argument("--arms", nargs="+", default=None, choices=[arm.name for arm in plan.ARMS],
+                   help="with --round2: only these arms, in the registered order (default: all)")
     p.add_argument("--until", default=None, help="HH:MM UTC: --plan starts no run after this time")
     p.add_argument("--max-runs", type=int, default=None, help="--plan trains at most this many runs")
     p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=[])

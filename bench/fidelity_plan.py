@@ -262,11 +262,14 @@ ROUND2_RULES = """\
 
 
 def round2_keys(a, runs) -> list:
-    """The round-two runs still to do, in the registered order (seed 1 of every arm, then seed 2)."""
+    """The round-two runs still to do, in the registered order (seed 1 of every arm, then seed 2); with ``a.arms``,
+    only those arms (a sitting that cannot afford the whole order says which arms it skips)."""
     have = {r.s["key"] for r in runs}
     keys = []
     for seed in ROUND2_SEEDS:
         for arm in ARMS:
+            if getattr(a, "arms", None) and arm.name not in a.arms:
+                continue
             for label in arm.methods:
                 low = label == "grpo"
                 k = a.key_of(label, seed, arm.lr, None if low else arm.mu, arm.prompts, arm.updates, arm.tag)

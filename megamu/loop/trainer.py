@@ -19,6 +19,7 @@ from megamu.engines.weights import Weights
 from megamu.loop.state import RunState
 from megamu.loop.summary import print_summary
 from megamu.mode import Mode, mode_of
+from megamu.observability.drift import StageDrift
 from megamu.observability.metrics import MetricsLogger
 from megamu.observability.tracking import make_tracker
 from megamu.rollout.dataset import StageDataset
@@ -45,6 +46,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy.hf_source)
         self.prompts = Prompts(cfg.prompts, self.tokenizer)
         self.state = RunState()
+        self._stage_stats: list[tuple[float, float]] = []  # this stage's (approx_kl, veto_token_fraction) per update
         saved = self.policy.load_latest()
         if cfg.algo.uses_reference:  # the KL term's π_ref: the run's initial weights (not built at coefficient 0)
             self.policy.build_reference()
@@ -83,6 +85,8 @@ class Trainer:
         cfg, plan, update = self.cfg, self.plan, self.state.update + 1
         stats = self.policy.update(samples, cfg.algo)
         self.state.update = update
+        if self.mode.has_stages:
+            self._stage_stats.append((stats["approx_kl"], stats["veto_token_fraction"]))
         if self.mode.log_due(update, plan.mu, plan.total_updates, cfg.log_interval):
             self.metrics.log("update", step=update, stage=self.state.stage, update=update - 1, **stats, **fields)
         bar.update(1)
@@ -124,6 +128,8 @@ class Trainer:
 
     def _log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest
+        drift = StageDrift.of(*zip(*self._stage_stats)) if self._stage_stats else None
+        self._stage_stats = []
         self.metrics.log("stage", step=stage, stage=stage, **times, reward_mean=m.reward_mean,
                          truncation_rate=m.truncation_rate, all_correct_fraction=m.all_correct_fraction,
                          all_wrong_fraction=m.all_wrong_fraction, mean_response_length=m.mean_response_length,
@@ -132,7 +138,7 @@ class Trainer:
                          # DAPO's: replies in the overlong buffer; dynamic sampling's rounds and groups
                          **{k: m.extra[k] for k in ("overlong_fraction",) if k in m.extra},
                          **{f"dynamic_sampling_{k}": v for k, v in m.extra.get("dynamic_sampling", {}).items()},
-                         **self.policy.memory_record())
+                         **(drift.record() if drift else {}), **self.policy.memory_record())
         if self.metrics.tracker is not None:  # a few of D_k's generations, decoded (verl's generations table)
             rows = [[stage, s.prompt_id, s.sample_index, self.tokenizer.decode(s.prompt_ids),
                      self.tokenizer.decode(s.response_ids), s.reward, s.advantage]
@@ -140,7 +146,10 @@ class Trainer:
             self.metrics.table(f"samples/stage_{stage}", ["stage", "prompt_id", "sample", "prompt", "response",
                                                          "reward", "advantage"], rows)
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
-               f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s")
+               f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s"
+               + (f"  {drift.line()}" if drift else ""))
+        if drift and drift.hint(stage):
+            _print(drift.hint(stage))
         crash_point("stage", stage)
 
     def finish(self) -> None:

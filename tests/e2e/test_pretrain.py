@@ -45,6 +45,12 @@ def test_uninterrupted_run_writes_everything(tiny, reference):
     stages = records(reference, "stage")
     assert [s["stage"] for s in stages] == list(range(STAGES))
     assert all(s["t_rollout"] > 0 and s["t_train"] > 0 for s in stages)
+    for s in stages:  # each stage's drift, from its μ updates' records (every update is logged here)
+        kl = sorted(u["approx_kl"] for u in updates[s["stage"] * MU:(s["stage"] + 1) * MU])
+        assert s["drift_updates"] == MU == 4 and s["approx_kl_max"] == kl[-1]
+        assert s["approx_kl_median"] == pytest.approx((kl[1] + kl[2]) / 2, rel=1e-12)
+    assert len(re.findall(r"\[stage \d\] rollout reward .* drift: KL median [\d.]+ \(max [\d.]+\), veto", stdout)) \
+        == STAGES
     assert len(records(reference, "run")) == 1
     assert (reference / "latest_checkpointed_iteration.txt").read_text().strip() == str(STAGES * MU)
     for k in range(STAGES):

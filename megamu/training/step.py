@@ -102,13 +102,7 @@ def train_step(
                      if local else [])
     padding = parallel.ep_agreed_count(len(micro_batches), device) - len(micro_batches)
 
-    # Sums over this rank's micro-batches, all-reduced over DP below.
-    sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", "read_tokens",
-                          "row_tokens", *TOKEN_STATS, *LOSS_TERMS), 0.0)
-    sums["veto_sequence_fraction"] = 0.0
-    log_ratio_min = math.inf
-    tails: list[tuple[torch.Tensor, torch.Tensor]] = []  # A < 0 tokens' log ρ and replies' min: a quantile, not a sum
-
+    sums = _MinibatchSums()
     optimizer.zero_grad()
     for mb in micro_batches:
         batch = pack(mb, share_prompts).to(device)
@@ -119,16 +113,40 @@ def train_step(
             raise ValueError("the KL term needs the samples' reference log-probs (Policy.update scores them)")
         loss, st = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.response_mask, algo,
                                ref_logp=batch.ref_logp, entropy=entropy)
-        entropy = entropy.detach()
-        mb_tok = st["n_tokens"]
-        weight = batch.n_sequences / n_seq if seq_mode else mb_tok / max(n_tok, 1)
+        weight = batch.n_sequences / n_seq if seq_mode else st["n_tokens"] / max(n_tok, 1)
         scale_router_aux_loss(weight)  # an MoE router's aux loss: weighted as this micro-batch's policy loss
         (loss * weight).backward()
-        tails.append(neg_adv_log_ratios(logp, batch.behaviour_logp, batch.advantages, batch.response_mask))
+        sums.add(batch, logp, entropy.detach(), loss, weight, st, row_tokens=sum(row_lengths(mb, share_prompts)))
 
+    scale_router_aux_loss(0.0)  # the padding passes change nothing, their routers' aux loss included
+    zero_weight_passes(model, samples, padding, device=device, temperature=temperature, share_prompts=share_prompts,
+                       backward=True)
+    grad_norm, lr = optimizer.step()
+    t, log_ratio_min, tail = sums.reduced(device)
+    elapsed = time.perf_counter() - start
+    return {**_minibatch_metrics(t, log_ratio_min, tail, samples, algo), "grad_norm": grad_norm, "lr": lr,
+            # every token of the minibatch (prompts included; skipped samples too), for the whole data-parallel group
+            "tokens_per_s": sum(len(s.prompt_ids) + s.response_length for s in samples) / elapsed,
+            "step_time_s": elapsed, "n_micro_batches": float(len(micro_batches))}
+
+
+class _MinibatchSums:
+    """This rank's sums over its micro-batches, all-reduced over data-parallel ranks once the step is done; the A < 0
+    tokens' log ρ (and each reply's minimum) are kept whole, for a quantile, not a sum."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(("loss", "entropy", "tokens", "rows", "neg_tokens", "ratio_neg_adv", "read_tokens",
+                                   "row_tokens", "veto_sequence_fraction", *TOKEN_STATS, *LOSS_TERMS), 0.0)
+        self.log_ratio_min = math.inf
+        self.tails: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, batch: PackedBatch, logp: torch.Tensor, entropy: torch.Tensor, loss: torch.Tensor, weight: float,
+            st: dict, *, row_tokens: int) -> None:
+        sums, mb_tok = self.sums, st["n_tokens"]
+        self.tails.append(neg_adv_log_ratios(logp, batch.behaviour_logp, batch.advantages, batch.response_mask))
         rows = float(batch.response_mask.any(dim=1).sum())
         sums["read_tokens"] += batch.input_ids.numel()  # positions the model reads, padding included
-        sums["row_tokens"] += sum(row_lengths(mb, share_prompts))
+        sums["row_tokens"] += row_tokens
         sums["loss"] += float(loss.detach()) * weight
         for k in LOSS_TERMS:
             sums[k] += st.get(k, 0.0) * weight
@@ -142,33 +160,36 @@ def train_step(
             sums["neg_tokens"] += st["n_neg_adv_tokens"]
             sums["ratio_neg_adv"] += st["ratio_neg_adv_mean"] * st["n_neg_adv_tokens"]
         if mb_tok:
-            log_ratio_min = min(log_ratio_min, st["log_ratio_min"])
+            self.log_ratio_min = min(self.log_ratio_min, st["log_ratio_min"])
 
-    scale_router_aux_loss(0.0)  # the padding passes change nothing, their routers' aux loss included
-    zero_weight_passes(model, samples, padding, device=device, temperature=temperature, share_prompts=share_prompts,
-                       backward=True)
-    grad_norm, lr = optimizer.step()
+    def reduced(self, device: torch.device) -> tuple[dict[str, float], float, list[torch.Tensor]]:
+        """The sums, the minimum log ρ and the lower tail over the whole data-parallel group."""
+        keys = list(self.sums)
+        totals = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=device)
+        min_log_ratio = torch.tensor([self.log_ratio_min], dtype=torch.float64, device=device)
+        if parallel.dp_size() > 1:
+            dist.all_reduce(totals, group=parallel.dp_group())
+            dist.all_reduce(min_log_ratio, op=dist.ReduceOp.MIN, group=parallel.dp_group())
+        tail = [torch.cat([x[i].cpu() for x in self.tails]) if self.tails else torch.zeros(0, dtype=torch.float64)
+                for i in (0, 1)]
+        if parallel.dp_size() > 1:  # the whole minibatch's tail, not one rank's
+            gathered: list = [None] * parallel.dp_size()
+            dist.all_gather_object(gathered, [x.tolist() for x in tail], group=parallel.dp_group())
+            tail = [torch.tensor([v for g in gathered for v in g[i]], dtype=torch.float64) for i in (0, 1)]
+        return dict(zip(keys, totals.tolist())), float(min_log_ratio), tail
 
-    keys = list(sums)
-    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
-    min_log_ratio = torch.tensor([log_ratio_min], dtype=torch.float64, device=device)
-    if parallel.dp_size() > 1:
-        dist.all_reduce(totals, group=parallel.dp_group())
-        dist.all_reduce(min_log_ratio, op=dist.ReduceOp.MIN, group=parallel.dp_group())
-    t = dict(zip(keys, totals.tolist()))
-    tail = [torch.cat([x[i].cpu() for x in tails]) if tails else torch.zeros(0, dtype=torch.float64) for i in (0, 1)]
-    if parallel.dp_size() > 1:  # the whole minibatch's tail, not one rank's
-        gathered: list = [None] * parallel.dp_size()
-        dist.all_gather_object(gathered, [x.tolist() for x in tail], group=parallel.dp_group())
-        tail = [torch.tensor([v for g in gathered for v in g[i]], dtype=torch.float64) for i in (0, 1)]
-    elapsed = time.perf_counter() - start
+
+def _minibatch_metrics(t: dict[str, float], log_ratio_min: float, tail: list[torch.Tensor],
+                       samples: list[RolloutSample], algo: AlgoConfig) -> dict[str, float]:
+    """The update's record from the reduced sums ``t``: token statistics per token, reply statistics per reply."""
 
     def per(key: str, denom: float) -> float:
         return t[key] / denom if denom else float("nan")
 
+    n_seq, n_tok = len(samples), sum(s.response_length for s in samples)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
-    metrics = {
+    return {
         "loss": t["loss"],
         "pg_loss": t["pg_loss"],
         "entropy_loss": t["entropy_loss"],
@@ -176,28 +197,21 @@ def train_step(
         **{k: per(k, t["tokens"]) for k in TOKEN_STATS},
         "veto_sequence_fraction": per("veto_sequence_fraction", t["rows"]),
         "ratio_neg_adv_mean": per("ratio_neg_adv", t["neg_tokens"]),
-        "log_ratio_min": float(min_log_ratio) if math.isfinite(float(min_log_ratio)) else float("nan"),
+        "log_ratio_min": log_ratio_min if math.isfinite(log_ratio_min) else float("nan"),
         **lower_tail_stats(*tail, algo.veto_threshold or REFERENCE_TAU),
         "entropy": per("entropy", t["tokens"]),
-        "grad_norm": grad_norm,
-        "lr": lr,
         "n_sequences": float(n_seq),
         "n_tokens": float(n_tok),
         "response_length_mean": n_tok / n_seq,
-        # every token of the minibatch (prompts included; skipped samples too), for the whole data-parallel group
-        "tokens_per_s": sum(len(s.prompt_ids) + s.response_length for s in samples) / elapsed,
-        "step_time_s": elapsed,
         "reward_mean": float(rewards.mean()),
         "advantage_mean": float(advantages.mean()),
         "advantage_std": float(advantages.std()) if n_seq > 1 else 0.0,
         "advantage_min": float(advantages.min()),
         "advantage_max": float(advantages.max()),
-        "n_micro_batches": float(len(micro_batches)),
         # padded / read positions over the micro-batches forwarded (0 when none was: all skipped)
         "pad_fraction": 1.0 - t["row_tokens"] / t["read_tokens"] if t["read_tokens"] else 0.0,
         "trained_sample_fraction": t["rows"] / n_seq,
     }
-    return metrics
 
 
 def zero_weight_passes(model, samples: list[RolloutSample], count: int, *, device: torch.device, temperature: float,

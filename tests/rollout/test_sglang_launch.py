@@ -220,3 +220,27 @@ def test_memory_saver_servers_do_not_inherit_expandable_segments(var):
     assert var not in given
     # without the memory saver the server may keep the setting
     assert server_env(SGLangConfig(memory_saver=False), base)[var] == base[var]
+
+
+def test_torch_memory_saver_itself_accepts_a_memory_saver_servers_environment(monkeypatch):
+    """Upstream's own check, not a reading of it: torch_memory_saver 0.0.10 (SGLang 0.5.23 requires >= 0.0.9.post1)
+    imports on CPU, and its ``_sanity_checks`` (entrypoint.py:397-401), which ``_TorchMemorySaverImpl.__init__`` runs
+    when the first region opens (:192), refuses the trainer's allocator setting and accepts what ``server_env`` gives
+    a memory-saver server."""
+    import inspect
+
+    from torch_memory_saver import entrypoint
+
+    from megamu.engines.sglang.launch import server_env
+
+    assert "_sanity_checks()" in inspect.getsource(entrypoint._TorchMemorySaverImpl.__init__)
+    trainer = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:256"}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", trainer["PYTORCH_CUDA_ALLOC_CONF"])
+    with pytest.raises(RuntimeError, match="expandable_segments"):
+        entrypoint._sanity_checks()
+    saver = server_env(SGLangConfig(memory_saver=True), trainer)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", saver["PYTORCH_CUDA_ALLOC_CONF"])
+    entrypoint._sanity_checks()  # raises if the server would die at launch
+    without = server_env(SGLangConfig(memory_saver=False), trainer)  # no saver: the setting stays, as it may
+    assert without["PYTORCH_CUDA_ALLOC_CONF"] == trainer["PYTORCH_CUDA_ALLOC_CONF"]
+

@@ -38,6 +38,21 @@ def test_the_local_specs_norm_refuses_sequence_parallelism_so_megamu_builds_its_
     assert _line(block, 69).strip() == "LayerNormImpl = WrappedTorchNorm"
 
 
+def test_megamus_local_model_builds_every_norm_as_its_own(distributed, tmp_path):
+    """The local spec's norms, the final one included, are megamu's RMSNorm (none is WrappedTorchNorm's plain torch
+    RMSNorm, which would refuse SP), each weight marked with the config's sequence_parallel (False here, TP 1)."""
+    import torch
+
+    from megamu.model import ModelArch, build_model
+    from megamu.model.spec import RMSNorm
+    from tests.tiny import save_tiny_model
+
+    arch = ModelArch.from_hf(save_tiny_model(tmp_path / "qwen3", "qwen3", vocab_size=300))
+    norms = [m for m in build_model(arch).modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 4 * arch.num_layers + 1  # input, pre-MLP, q and k norms per layer; the final norm
+    assert all(type(m) is RMSNorm and m.weight.sequence_parallel is False for m in norms)
+
+
 @pytest.mark.parametrize("module, lineno", [("megatron.core.fusions.fused_layer_norm", 119),
                                             ("megatron.core.transformer.moe.router", 74)])
 def test_megatron_marks_replicated_weights_sequence_parallel(module, lineno):

@@ -138,13 +138,13 @@ class Policy:
         self.cfg = cfg
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
-        if self.arch.num_experts and parallel.tp_size() > 1:
+        if self.arch.num_experts and parallel.tp_size() > 1 and not cfg.sequence_parallel:
             # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (0.16.1
-            # transformer/moe/moe_layer.py:379); megamu runs SP for dense models (tests/model/
-            # test_sequence_parallel.py), but no test has compared an MoE model under TP 2 + SP with TP 1 yet
+            # transformer/moe/moe_layer.py:379 raises in training); with it, a tiny Qwen3-MoE at TP 2 matches TP 1
+            # (tests/model/test_sequence_parallel.py)
             raise ConfigError("tensor_model_parallel_size", f"{parallel.tp_size()}: a mixture-of-experts model "
-                              "trains at tensor-parallel size 1 (megatron-core needs sequence parallelism for MoE "
-                              "with TP > 1, not yet tested with MoE in megamu)")
+                              "at tensor-parallel size > 1 needs --sequence-parallel (megatron-core needs sequence "
+                              "parallelism for MoE with TP > 1)")
         impl = cfg.transformer_impl or cfg.device.transformer_impl
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
                                  recompute_granularity=cfg.recompute_granularity,

@@ -1,7 +1,8 @@
 """torchrun worker (2 ranks, gloo): megatron-core's sequence parallelism at TP 2 against TP 1 on the same weights, in
 fp64, through megamu's scoring path (``response_logprobs`` on packed rows): per-token log-probs and entropies, and
 every parameter's gradient gathered to the full tensor; rows of odd length, so the padding to a multiple of TP runs.
-Both layouts: one sample per row (causal) and two responses after one shared prompt (masked attention).
+Both layouts: one sample per row (causal) and two responses after one shared prompt (masked attention). An MoE model
+runs megamu's CPU MoE layer (allgather dispatcher over TP, SequentialMLP experts split over TP, CpuTopKRouter).
 
 Upstream runs unmodified except for the ``torch.cuda.current_device()`` that SP's gather and reduce-scatter allocate
 on (tensor_parallel/mappings.py:141, :181; tensor_parallel/layers.py's backward), answered with "cpu" by
@@ -82,9 +83,11 @@ def main(*hf_dirs: str) -> None:
         arch = ModelArch.from_hf(hf_dir)
         out2, g2, marked = run(arch, hf_dir, tp=2, sequence_parallel=True)
         out1, g1, unmarked = run(arch, hf_dir, tp=1, sequence_parallel=False)
-        # every norm (2 per layer, q/k norms where the arch has them, the final one) carries the SP mark, nothing else
-        norms = 2 + 2 * arch.qk_norm
-        assert len(marked) == norms * arch.num_layers + 1 and all("layernorm" in n for n in marked), marked
+        # every norm (2 per layer, q/k norms where the arch has them, the final one) carries the SP mark, and an MoE
+        # layer's router (megatron's own mark, transformer/moe/router.py:74); nothing else
+        per_layer = 2 + 2 * arch.qk_norm + bool(arch.num_experts)
+        assert len(marked) == per_layer * arch.num_layers + 1, marked
+        assert all("layernorm" in n or n.endswith("mlp.router.weight") for n in marked), marked
         assert unmarked == []
         # fp64 model; the same bound as TP 2 vs TP 1 without SP (tests/model/workers/tp_parity.py): the layouts
         # differ only in reduction order, the fp32 sums over the padded vocabulary dominating

@@ -194,25 +194,27 @@ def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     parts = {
         "norm inputs and outputs": (6 if c.transformer_impl == "local" else 4) * h / sp * e * tokens,
         "attention (qkv, roped q/k, output)": (2 * q + kv + q + kv / 2) / t * e * tokens,
-        **_mlp_activation_parts(m, t, e, tokens),
+        **_mlp_activation_parts(m, t, e, tokens, sp),
         "fp32 statistics": (m.num_heads / t + 2 / sp) * 4 * tokens,
         "rope cos/sin": 4 * m.head_dim * s * e,
     }
     return parts
 
 
-def _mlp_activation_parts(m: ModelShape, t: int, e: int, tokens: int) -> dict[str, float]:
+def _mlp_activation_parts(m: ModelShape, t: int, e: int, tokens: int, sp: int = 1) -> dict[str, float]:
     """The MLP's saved tensors: SwiGLU 5f/t per token (above); an MoE layer runs it on k rows per token (the
     permuted tokens), and also keeps the grouped GEMM's input (k h: the permuted tokens), the experts' output that
     the routing weights scale (k h), the router's fp32 logits and routing scores over all experts (2 E x 4 bytes),
     its routing map (E bools) and each routed row's weight (k x 4). Counted from megatron-core 0.16.1's MoE layer
-    (alltoall dispatcher, grouped GEMM), not measured: no GPU has run it yet."""
+    (alltoall dispatcher, grouped GEMM), not measured: no GPU has run it yet. Under sequence parallelism (``sp`` =
+    t) the router runs on this rank's s/t tokens (its logits, scores and map /t); the dispatcher gathers the routed
+    rows and their weights over TP before the experts (split over TP), so those stay per token of the row."""
     if not m.num_experts:
         return {"swiglu": 5 * m.ffn_hidden_size / t * e * tokens}
     k, experts = m.moe_top_k, m.num_experts
     return {"swiglu (k experts per token)": 5 * m.active_ffn_width / t * e * tokens,
             "moe dispatch (permuted tokens, expert outputs)": 2 * k * m.hidden_size * e * tokens,
-            "moe router (fp32 logits and scores, map, weights)": (2 * experts * 4 + experts + 4 * k) * tokens}
+            "moe router (fp32 logits and scores, map, weights)": ((2 * experts * 4 + experts) / sp + 4 * k) * tokens}
 
 
 def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:

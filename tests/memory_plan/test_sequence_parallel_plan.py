@@ -42,6 +42,16 @@ def test_sequence_parallelism_shrinks_the_training_term_by_the_hand_computed_byt
     assert "trainer TP 2 + SP x DP 1" in plan_memory(sp).table()
 
 
+def test_an_moe_layers_router_terms_split_and_its_dispatch_does_not():
+    moe = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=96,
+                     vocab_size=100, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
+    plain = replace(BASE, model=moe)
+    sp = replace(plain, sequence_parallel=True)
+    # per layer as the dense model (26000) plus the router's fp32 logits and scores and its map: (2 x 4 x 4 + 4)
+    # bytes x 100 tokens = 3600, half: 1800; the routed rows (k h) and their weights stay whole; final norm 6400
+    assert row(plain, "activations, no recompute") - row(sp, "activations, no recompute") == 2 * (26000 + 1800) + 6400
+
+
 def test_sequence_parallelism_needs_tensor_parallelism():
     with pytest.raises(ConfigError, match="needs tensor parallelism"):
         replace(BASE, tp=1, sequence_parallel=True)

@@ -15,10 +15,6 @@ PAGE = REPO / "docs" / "coming-from-slime-verl.md"
 HF = REPO / "tests" / "fixtures" / "hf"
 MODELS = {"/root/Qwen3-4B": HF / "Qwen3-4B", "Qwen/Qwen2-7B-Instruct": HF / "Qwen2-7B-Instruct"}
 
-# --sequence-parallel is issue 43's (refused until it lands): left out the same way, restored after merging it.
-ISSUE_43_FLAGS = {"--sequence-parallel": 0}
-
-
 def blocks() -> dict[str, str]:
     """The page's code blocks: the dry-run ones by their marker's name, the others as "source 1", "source 2"."""
     text = PAGE.read_text()
@@ -40,20 +36,9 @@ def after(argv: list[str], program: str) -> list[str]:
     return argv[argv.index(program) + 1:]
 
 
-def without(argv: list[str], dropped: dict[str, int]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] in dropped:
-            i += 1 + dropped[argv[i]]
-            continue
-        out.append(argv[i])
-        i += 1
-    return out
-
-
 def dry_run(block: str, tmp_path, monkeypatch, capsys) -> str:
     """The block's pretrain_mu_grpo.py flags as torchrun would start them, model paths on the fixtures, run and
-    checkpoint folders in tmp_path, issue 43's flag left out; returns what rank 0 prints."""
+    checkpoint folders in tmp_path; returns what rank 0 prints."""
     import pretrain_mu_grpo
 
     argv = words(block)
@@ -63,7 +48,7 @@ def dry_run(block: str, tmp_path, monkeypatch, capsys) -> str:
     monkeypatch.setenv("WORLD_SIZE", str(per_node * nodes))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
     monkeypatch.setenv("RANK", "0")
-    flags = without(after(argv, "pretrain_mu_grpo.py"), ISSUE_43_FLAGS)
+    flags = after(argv, "pretrain_mu_grpo.py")
     for flag in ("--hf-checkpoint", "--save", "--load"):
         if flag in flags:
             i = flags.index(flag) + 1

@@ -1,5 +1,7 @@
 """Flags a Megatron-LM or slime launch script carries over: accepted at megamu's values, checked, or refused by name."""
 
+from pathlib import Path
+
 import pytest
 
 from megamu.arguments import parse_args
@@ -40,7 +42,7 @@ def test_lr_decay_defaults_to_the_run_length(tmp_path):
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size: megamu runs pipeline model parallel "
                                               "size 1 only"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
-    (["--sequence-parallel"], "--sequence-parallel: not supported"),
+    (["--sequence-parallel"], "--sequence-parallel: needs --tensor-model-parallel-size > 1"),
     (["--prompts-per-update", "4", "--global-batch-size", "16"], "--global-batch-size: 16 samples per update "
                                                                   "contradicts --prompts-per-update 4"),
     (["--global-batch-size", "12"], "--global-batch-size: 12 samples is not a whole number of groups"),
@@ -62,3 +64,26 @@ def test_async_mode_refuses_an_eval_interval(tmp_path):
     with pytest.raises(SystemExit, match="--eval-interval: async mode evaluates after its last update only"):
         parse_args(["--save", str(tmp_path / "run"), "--rollout-mode", "async", "--train-iters", "8",
                     "--weight-sync-interval", "4", "--max-policy-lag", "8", "--eval-interval", "4"])
+
+
+def test_sequence_parallel_runs_with_tp_on_gpus_only(tmp_path, monkeypatch):
+    """--sequence-parallel: megatron-core's SP (tests/model/test_sequence_parallel.py compares it with TP 1), on a
+    GPU device with TP > 1; refused on CPU (its collectives allocate on CUDA) and at TP 1 (nothing to split over)."""
+    from megamu.arguments import build_parser
+    from megamu.runtime.device import Device
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    hf = Path(__file__).parent / "fixtures" / "hf" / "Qwen3-4B"  # a readable config: the memory plan is made
+    sp = args(tmp_path, "--hf-checkpoint", str(hf), "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    gpu = parse_args(sp, device=Device("cuda"))
+    assert gpu.policy.sequence_parallel and gpu.memory.sequence_parallel
+    assert not parse_args(sp[:-1], device=Device("cuda")).policy.sequence_parallel
+    with pytest.raises(SystemExit, match="--sequence-parallel: megatron-core runs sequence parallelism on CUDA only"):
+        parse_args(sp, device=Device("cpu"))
+    # a dry run on a machine without GPUs plans the GPU run (as for --expert-model-parallel-size)
+    assert parse_args([*sp, "--dry-run"], device=Device("cpu")).policy.sequence_parallel
+    with pytest.raises(SystemExit, match="--sequence-parallel: needs --tensor-model-parallel-size > 1"):
+        parse_args(args(tmp_path, "--sequence-parallel"), device=Device("cuda"))
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--sequence-parallel megatron-core's sequence parallelism" in help_text
+    assert "needs --tensor-model-parallel-size > 1 and GPUs" in help_text

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
     add_fields(g, RunConfig, ["seed"])
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
-    add_fields(g, PolicyConfig, ["recompute_granularity", "moe_router_load_balancing_type", "moe_aux_loss_coeff"])
+    add_fields(g, PolicyConfig, ["sequence_parallel", "recompute_granularity", "moe_router_load_balancing_type",
+                                 "moe_aux_loss_coeff"])
 
     g = p.add_argument_group("optimiser (Megatron names)")
     add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",

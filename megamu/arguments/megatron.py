@@ -17,8 +17,6 @@ def add_megatron_arguments(p: argparse.ArgumentParser) -> None:
                    help="1 only: megamu's actors are tensor (and expert) parallel, without pipeline stages")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="1 only: a sequence stays on one rank of its tensor-parallel group")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="refused: megamu's tensor-parallel layers keep full-sequence activations")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="accepted: on GPUs megamu always shards the optimiser state over data-parallel ranks "
                         "(megatron-core's DistributedOptimizer); the CPU path has one full copy per rank")
@@ -34,14 +32,6 @@ def check_megatron_arguments(args: argparse.Namespace, prompts_per_update: int) 
         if value != 1:
             _error(flag, f"megamu runs {flag[2:].replace('-', ' ')} 1 only, got {value}: use "
                          "--tensor-model-parallel-size (and --expert-model-parallel-size for MoE) to split the model")
-    if args.sequence_parallel:
-        # not tested, so not offered: megatron-core 0.16.1's local-spec norm asserts not sequence_parallel
-        # (transformer/torch_norm.py:32) and SP's gather/reduce-scatter allocate on CUDA (tensor_parallel/mappings.py
-        # :141, :181), so no CPU run can compare TP 2 + SP with TP 1 (tests/model/test_sequence_parallel_upstream.py)
-        _error("--sequence-parallel", "not supported: megamu's tensor-parallel layers keep full-sequence activations "
-                                      "(megatron-core's SP cannot be tested on CPU: its local-spec norm refuses it, "
-                                      "torch_norm.py:32; drop the flag; --recompute-granularity saves activation "
-                                      "memory instead)")
     samples = prompts_per_update * args.n_samples_per_prompt
     if args.global_batch_size is not None and args.global_batch_size != samples:
         _error("--global-batch-size", f"{args.global_batch_size} samples per update contradicts "

@@ -93,6 +93,8 @@ class RunConfig:
             # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
             raise ConfigError("expert_model_parallel_size", f"{self.expert_model_parallel_size}: megatron-core runs "
                               "expert parallelism on CUDA only")
+        if self.policy.sequence_parallel:
+            self._check_sequence_parallel()
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
         if self.engine.kind == "sglang" and self.engine.sglang.weight_sync == "memory" \
@@ -116,6 +118,19 @@ class RunConfig:
             raise ConfigError("recompute_behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
                                                               "engine's log-probs")
         self._check_dapo()
+
+    def _check_sequence_parallel(self) -> None:
+        """megatron-core's SP: with TP > 1 (megatron raises at TP 1, model_parallel_config.py:411: refused here by
+        name rather than turned off as Megatron-LM does, so that no flag is silently dropped); on CUDA only, as EP:
+        its gather and reduce-scatter allocate on ``torch.cuda.current_device()`` (tensor_parallel/mappings.py:141,
+        :181). The CPU tests run it in worker processes that answer that call (tests/cpu_cuda_shim.py)."""
+        if self.tensor_model_parallel_size == 1:
+            raise ConfigError("policy.sequence_parallel", "needs --tensor-model-parallel-size > 1: it splits each "
+                                                          "row's tokens over the tensor-parallel ranks")
+        if not self.device.is_cuda and not self.dry_run:
+            raise ConfigError("policy.sequence_parallel", "megatron-core runs sequence parallelism on CUDA only (its "
+                              "gather and reduce-scatter allocate on torch.cuda.current_device(), "
+                              "tensor_parallel/mappings.py:141, :181); drop the flag on CPU")
 
     def _check_dapo(self) -> None:
         """DAPO's rollout-side settings against the rollout they shape (megamu.algo.dapo)."""
@@ -283,7 +298,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         max_tokens_per_micro_batch=policy.max_tokens_per_micro_batch,
         max_seq_len=prompts.max_prompt_length + plan.max_response_len, max_response_len=plan.max_response_len,
         params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, ep=ep, dp=max(1, world // tp),
-        recompute_granularity=policy.recompute_granularity,
+        recompute_granularity=policy.recompute_granularity, sequence_parallel=policy.sequence_parallel,
         transformer_impl=policy.transformer_impl or "transformer_engine", rollout_mode=plan.rollout_mode,
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),
         server_tp=sg.tp_size if engine.kind == "sglang" else 1,

@@ -41,7 +41,7 @@ def _largest(c: MemoryPlanConfig, field: str, low: int, high: int, step: int = 1
 def fixes(c: MemoryPlanConfig) -> list[tuple[str, object]]:
     """(field, value) pairs, each of which alone makes ``c`` fit: a token budget (the largest that fits, at least one
     row), fewer rows per micro-batch, full recompute, servers released while the trainer trains (memory saver,
-    colocated), twice the tensor parallelism (half the data parallelism)."""
+    colocated), sequence parallelism (TP > 1), twice the tensor parallelism (half the data parallelism)."""
     out: list[tuple[str, object]] = []
     tokens = c.micro_batch_tokens
     if tokens > c.max_seq_len:
@@ -55,6 +55,8 @@ def fixes(c: MemoryPlanConfig) -> list[tuple[str, object]]:
     candidates = [("recompute_granularity", "full")] if c.recompute_granularity != "full" else []
     if mode_of(c.rollout_mode).shares_trainer_devices and not c.release_during_training:
         candidates.append(("release_during_training", True))
+    if c.tp > 1 and not c.sequence_parallel:
+        candidates.append(("sequence_parallel", True))
     if c.dp % 2 == 0:
         candidates.append(("tp", c.tp * 2))
     for field, value in candidates:

@@ -13,7 +13,7 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
   (unsharded), and with the DistributedOptimizer fp32 main params (bf16 only) and the two fp32 Adam moments sharded
   over DP. fp32 params are their own main params.
 - Activations: a count of the tensors autograd keeps per layer for megatron-core's GPT layer as megamu configures
-  it (RMSNorm, GQA, SwiGLU, no dropout, no bias fusion, no sequence parallelism, flash attention), see
+  it (RMSNorm, GQA, SwiGLU, no dropout, no bias fusion, flash attention, sequence parallelism optional), see
   ``layer_activation_bytes``.
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), give
   s*b*h*(34 + 5*a*s/h) bytes per layer for GPT-3's layer (GeLU MLP of 4h, LayerNorm, dropout, attention scores
@@ -74,6 +74,7 @@ class MemoryPlanConfig:
     dp: int = 1
     distributed_optimizer: bool = True
     recompute_granularity: str | None = None
+    sequence_parallel: bool = False  # megatron's SP: the per-token tensors outside the TP blocks split over tp ranks
     transformer_impl: str = "transformer_engine"  # "local": megamu's CPU layer spec (torch norms, torch SDPA)
     rollout_mode: str = "staged"
     offload_train: bool = True
@@ -111,6 +112,9 @@ class MemoryPlanConfig:
                 raise ConfigError("max_response_len", f"{self.max_response_len} exceeds max_seq_len={self.max_seq_len}")
         if self.params_dtype not in DTYPE_BYTES:
             raise ConfigError("params_dtype", f"{self.params_dtype!r}: expected one of {tuple(DTYPE_BYTES)}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel", "needs tensor parallelism (tp > 1): it splits the sequence over "
+                                                   "the TP ranks")
         if self.recompute_granularity not in RECOMPUTE:
             raise ConfigError("recompute_granularity", f"{self.recompute_granularity!r}: expected one of {RECOMPUTE}")
         if self.transformer_impl not in IMPLS:
@@ -175,36 +179,42 @@ def layer_activation_bytes(c: MemoryPlanConfig) -> dict[str, float]:
     Per position (not per row): RoPE's cos and sin, for q and for k (megamu turns megatron's RoPE fusion off, and its
     CPU core attention applies its own): 4 head_dim. megamu's CPU spec ("local") also keeps what torch's RMSNorm
     holds between the scaling and the weight: 2h more per token.
+    Sequence parallelism (``sp`` = t) splits what lives outside the TP blocks along the sequence: the norms' inputs
+    and outputs (the QKV and fc1 GEMMs save their local input and all-gather it again in the backward) and the
+    norms' 1/rms, each divided by t. The attention and MLP terms are already /t; RoPE's per-position tables are not
+    split (the attention sees the whole gathered sequence). Rows padded to a multiple of t (at most t - 1 tokens
+    each) are left out.
     """
     m, t = c.model, c.tp
+    sp = t if c.sequence_parallel else 1
     s = c.max_seq_len
     e = DTYPE_BYTES[c.params_dtype]
     tokens = c.micro_batch_tokens
     h, q, kv = m.hidden_size, m.q_width, m.kv_width
     parts = {
-        "norm inputs and outputs": 4 * h * e * tokens,
+        "norm inputs and outputs": (6 if c.transformer_impl == "local" else 4) * h / sp * e * tokens,
         "attention (qkv, roped q/k, output)": (2 * q + kv + q + kv / 2) / t * e * tokens,
-        **_mlp_activation_parts(m, t, e, tokens),
-        "fp32 statistics": (m.num_heads / t + 2) * 4 * tokens,
+        **_mlp_activation_parts(m, t, e, tokens, sp),
+        "fp32 statistics": (m.num_heads / t + 2 / sp) * 4 * tokens,
         "rope cos/sin": 4 * m.head_dim * s * e,
     }
-    if c.transformer_impl == "local":
-        parts["norm inputs and outputs"] += 2 * h * e * tokens
     return parts
 
 
-def _mlp_activation_parts(m: ModelShape, t: int, e: int, tokens: int) -> dict[str, float]:
+def _mlp_activation_parts(m: ModelShape, t: int, e: int, tokens: int, sp: int = 1) -> dict[str, float]:
     """The MLP's saved tensors: SwiGLU 5f/t per token (above); an MoE layer runs it on k rows per token (the
     permuted tokens), and also keeps the grouped GEMM's input (k h: the permuted tokens), the experts' output that
     the routing weights scale (k h), the router's fp32 logits and routing scores over all experts (2 E x 4 bytes),
     its routing map (E bools) and each routed row's weight (k x 4). Counted from megatron-core 0.16.1's MoE layer
-    (alltoall dispatcher, grouped GEMM), not measured: no GPU has run it yet."""
+    (alltoall dispatcher, grouped GEMM), not measured: no GPU has run it yet. Under sequence parallelism (``sp`` =
+    t) the router runs on this rank's s/t tokens (its logits, scores and map /t); the dispatcher gathers the routed
+    rows and their weights over TP before the experts (split over TP), so those stay per token of the row."""
     if not m.num_experts:
         return {"swiglu": 5 * m.ffn_hidden_size / t * e * tokens}
     k, experts = m.moe_top_k, m.num_experts
     return {"swiglu (k experts per token)": 5 * m.active_ffn_width / t * e * tokens,
             "moe dispatch (permuted tokens, expert outputs)": 2 * k * m.hidden_size * e * tokens,
-            "moe router (fp32 logits and scores, map, weights)": (2 * experts * 4 + experts + 4 * k) * tokens}
+            "moe router (fp32 logits and scores, map, weights)": ((2 * experts * 4 + experts) / sp + 4 * k) * tokens}
 
 
 def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
@@ -212,6 +222,7 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
     m = c.model
     e = DTYPE_BYTES[c.params_dtype]
     tokens = c.micro_batch_tokens
+    sp = c.tp if c.sequence_parallel else 1  # full recompute's layer inputs and the final norm: split by SP
     layer = layer_activation_bytes(c)
     per_layer = sum(layer.values())
     if granularity is None:
@@ -223,9 +234,10 @@ def _activation_bytes(c: MemoryPlanConfig, granularity: str | None) -> int:
     else:  # full, uniform, one layer per checkpoint: each layer keeps its input; backward rebuilds one layer at a time.
         # The rebuilt layer and the logits' forward peak are never alive together, so adding both over-counts the
         # step's peak by up to one layer: a bound, on the safe side.
-        body = m.num_layers * m.hidden_size * e * tokens + per_layer
+        body = m.num_layers * m.hidden_size / sp * e * tokens + per_layer
     # final norm: its input (torch's RMSNorm also the scaled value); the output layer reads the scored positions only
-    final_norm = (2 if c.transformer_impl == "local" else 1) * m.hidden_size * e * tokens
+    # (under SP, gathered from the ranks first: megamu.model.logprobs keeps the picked positions, not the gather)
+    final_norm = (2 if c.transformer_impl == "local" else 1) * m.hidden_size / sp * e * tokens
     head_input = c.scored_tokens * m.hidden_size * e
     return int(body + final_norm + head_input)
 
@@ -269,8 +281,9 @@ class MemoryPlan:
         device = self.config.gpu_memory_gib
         width = max(len(r.part) for r in self._rows) + 4
         c = self.config
-        layout = f"TP {c.tp} x DP {c.dp}" + (f", EP {c.ep} ({c.model.num_experts // c.ep} of {c.model.num_experts} "
-                                             f"experts per GPU)" if c.model.num_experts else "")
+        sp = " + SP" if c.sequence_parallel else ""
+        layout = f"TP {c.tp}{sp} x DP {c.dp}" + (f", EP {c.ep} ({c.model.num_experts // c.ep} of {c.model.num_experts} "
+                                                 f"experts per GPU)" if c.model.num_experts else "")
         batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
             f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
             + f"{c.micro_batch_size} rows x {c.max_seq_len})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megamu.model.config import ModelArch, padded_vocab_size, transformer_config
-from megamu.model.spec import finalize, layer_spec, position_embedding_kwargs
+from megamu.model.spec import decoder_spec, finalize, position_embedding_kwargs
 from megamu.runtime.device import CPU, Device
 
 
@@ -19,12 +19,15 @@ def build_model(
     perform_initialization: bool = True,
     recompute_granularity: str | None = None,
     load_balancing: tuple[str, float] = ("none", 0.0),
+    sequence_parallel: bool = False,
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
     perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
     ``recompute_granularity``: "full" / "selective" activation recomputation, see ``recompute_fields``.
     ``load_balancing``: an MoE router's (megatron's load-balancing type, aux-loss coefficient), see
     ``moe_config_fields``.
+    ``sequence_parallel``: megatron-core's sequence parallelism (TP > 1; CUDA, or a CPU test process with
+    tests/cpu_cuda_shim.py: megamu.config.run_config refuses it on CPU runs).
     ``transformer_impl`` defaults to the device's (see megamu.runtime.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -38,10 +41,10 @@ def build_model(
                                 bf16=bf16, transformer_impl=transformer_impl,
                                 perform_initialization=perform_initialization,
                                 recompute_granularity=recompute_granularity, load_balancing=load_balancing,
-                                use_cpu_initialization=not device.is_cuda)
+                                use_cpu_initialization=not device.is_cuda, sequence_parallel=sequence_parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, transformer_impl),
+        transformer_layer_spec=decoder_spec(arch, transformer_impl),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,
@@ -88,8 +91,10 @@ def allreduce_tp_partial_grads(model) -> None:
     """Sum over the TP group the gradients of replicated parameters that each rank only sees part of.
 
     q/k norms are shared by all heads but each rank normalises only its own heads, so each holds a partial gradient.
-    Megatron's finalize_model_grads does this on the GPU path (megatron DDP); call it on CPU after backward, before the
-    data-parallel all-reduce. Sequence parallelism (GPU only) is not handled here.
+    Under sequence parallelism every parameter megatron marks ``sequence_parallel`` (the norms, megamu.model.spec.
+    RMSNorm; MoE routers, transformer/moe/router.py:74) sees only this rank's tokens: partial too. The same selection
+    as megatron's finalize_model_grads on the GPU path (distributed/finalize_model_grads.py:354, by the mark and by
+    the q/k names; each parameter summed once); call it on CPU after backward, before the data-parallel all-reduce.
     """
     from megatron.core import parallel_state
 
@@ -97,5 +102,6 @@ def allreduce_tp_partial_grads(model) -> None:
         return
     group = parallel_state.get_tensor_model_parallel_group()
     for name, p in unwrap(model).named_parameters():
-        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+        partial = getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+        if p.grad is not None and partial:
             torch.distributed.all_reduce(p.grad, group=group)

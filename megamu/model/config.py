@@ -266,6 +266,7 @@ def transformer_config(
     recompute_granularity: str | None = None,
     use_cpu_initialization: bool = True,
     load_balancing: tuple[str, float] = ("none", 0.0),
+    sequence_parallel: bool = False,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -288,6 +289,9 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        # megatron's own SP: norms and residuals split over the TP ranks along the sequence (megatron raises
+        # "Cannot use sequence parallelism without tensor parallelism" at TP 1, model_parallel_config.py:411)
+        sequence_parallel=sequence_parallel,
         # the expert layout process groups were built with: TE's grouped linear marks expert weights as not
         # all-reduced over data parallel only when it reads EP > 1 here (extensions/transformer_engine.py); a dense
         # model has no experts to lay out (megatron refuses EP > 1 without num_moe_experts)

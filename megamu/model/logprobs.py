@@ -73,19 +73,58 @@ def token_logprobs(
 def _output_layer_only_at(gpt, index: torch.Tensor):
     """Within the context, ``gpt``'s output layer reads only the hidden states at ``index`` ([n, w] flat indices into
     the decoder's [b * s] tokens), so the model returns logits [n, w, V/TP]. A forward pre-hook keeps everything else
-    of megatron's output path: tied embedding weights, the padded-vocab -inf hook, Float16Module's fp32 cast."""
+    of megatron's output path: tied embedding weights, the padded-vocab -inf hook, Float16Module's fp32 cast.
+
+    Under sequence parallelism the decoder hands each rank its s/TP positions, and the output layer would all-gather
+    whatever it is given along dim 0: the hook gathers the positions itself first and the output layer runs as
+    without SP for the context (as GPTModel does for its own last-token selection, models/gpt/gpt_model.py:668-696).
+    That output layer sums the picked positions' gradient over TP (its copy-to-TP-region input), so every rank then
+    holds the whole gradient and the gather's backward only keeps this rank's share (``tensor_parallel_output_grad=
+    False``), where SP's own gather would reduce-scatter partial gradients."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    layer = gpt.output_layer
+    gather = layer.sequence_parallel
 
     def select(module, args, kwargs):
-        hidden = args[0]  # [s, b, h]
+        hidden = args[0]  # [s, b, h] ([s/TP, b, h] under SP)
+        if gather:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         s, b, h = hidden.shape
         picked = hidden.transpose(0, 1).reshape(b * s, h)[index.reshape(-1)]
         return (picked.view(*index.shape, h).transpose(0, 1), *args[1:]), kwargs
 
-    handle = gpt.output_layer.register_forward_pre_hook(select, with_kwargs=True)
+    handle = layer.register_forward_pre_hook(select, with_kwargs=True)
+    layer.sequence_parallel = False
     try:
         yield
     finally:
+        layer.sequence_parallel = gather
         handle.remove()
+
+
+def _pad_for_sequence_parallelism(gpt, input_ids, score_index, attention_mask):
+    """Rows right-padded to a multiple of TP under sequence parallelism (megatron splits the sequence evenly over
+    the TP ranks); unchanged otherwise. Padding comes after every real token and no real token sees it (causal rows;
+    a mask that masks it out), so the real tokens' log-probs and gradients are those of the unpadded rows;
+    ``score_index`` is re-addressed to the wider rows, and padded positions see only themselves (no empty softmax)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    b, s = input_ids.shape
+    if not gpt.config.sequence_parallel or s % tp == 0:
+        return input_ids, score_index, attention_mask
+    wide = s + tp - s % tp
+    # token 0 is any valid id: its outputs are never read
+    input_ids = torch.nn.functional.pad(input_ids, (0, wide - s), value=0)
+    score_index = score_index // s * wide + score_index % s
+    if attention_mask is not None:
+        mask = torch.ones(b, 1, wide, wide, dtype=torch.bool, device=attention_mask.device)
+        mask[..., :s, :s] = attention_mask
+        pad = torch.arange(s, wide, device=mask.device)
+        mask[..., pad, pad] = False
+        attention_mask = mask
+    return input_ids, score_index, attention_mask
 
 
 def score_tokens(
@@ -107,11 +146,11 @@ def score_tokens(
     ``megamu.model.spec.PortableAttention``; the local spec only). ``scored`` [n, w] bool: only these entries are
     computed (the output layer and the vocab-wide log-softmax run on them alone); the others are 0. A batch's frame
     is as wide as its longest response, so on the shorter ones this skips the padding's share of the vocab work.
+    Under sequence parallelism rows are padded to a multiple of TP here (``_pad_for_sequence_parallelism``).
     """
     from megamu.model.build import unwrap
     from megamu.model.spec import PortableAttention
 
-    b, s = input_ids.shape
     gpt = unwrap(model)
     if attention_mask is not None and not isinstance(gpt.decoder.layers[0].self_attention.core_attention,
                                                      PortableAttention):
@@ -119,6 +158,9 @@ def score_tokens(
                          "would not derive positions from it")
     if score_index.shape != targets.shape:
         raise ValueError(f"score_index {tuple(score_index.shape)} and targets {tuple(targets.shape)} must match")
+    input_ids, score_index, attention_mask = _pad_for_sequence_parallelism(gpt, input_ids, score_index,
+                                                                           attention_mask)
+    b, s = input_ids.shape
     # megatron wants position ids; our core attention derives positions itself (0..s-1, or from the mask)
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
     if scored is None:

@@ -1,8 +1,10 @@
 """Layer specs: how the CPU ("local") and GPU ("transformer_engine") models differ (the default follows the Device).
 
 local: megatron's local spec with a portable core attention that applies RoPE itself (megatron's RotaryEmbedding and
-DotProductAttention allocate on CUDA), causal, GQA, torch SDPA. transformer_engine: TE's fused layers with megatron's
-native RoPE, whose inverse frequencies we overwrite with HF's exact formula (megatron hard-codes llama3 constants).
+DotProductAttention allocate on CUDA), causal, GQA, torch SDPA, and megamu's ``RMSNorm`` for every norm (the layers',
+the q/k norms and the decoder's final one), which sequence parallelism can run. transformer_engine: TE's fused layers
+with megatron's native RoPE, whose inverse frequencies we overwrite with HF's exact formula (megatron hard-codes llama3
+constants).
 """
 
 from __future__ import annotations
@@ -110,17 +112,62 @@ class PortableAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """The local spec's norm: the module megatron's ``WrappedTorchNorm`` builds (torch's RMSNorm, fp32 weight), minus
+    its refusal of sequence parallelism (0.16.1 ``transformer/torch_norm.py:32``).
+
+    RMSNorm is per token, so SP (each TP rank normalises its own s/TP tokens) leaves its math as it is. Its weight is
+    replicated over TP, and under SP each rank sees only its own tokens: its gradient is a partial sum per rank. It
+    is marked ``sequence_parallel`` as megatron's own norms mark theirs (``fusions/fused_layer_norm.py:119``; TE's
+    norms take ``sequence_parallel=config.sequence_parallel``, ``extensions/transformer_engine.py:449/:460``), the
+    mark the TP all-reduce of those gradients reads (``distributed/finalize_model_grads.py:354`` on GPU,
+    ``megamu.model.build.allreduce_tp_partial_grads`` on CPU)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"megamu's local spec runs RMSNorm models, got normalization={config.normalization!r}")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _local_norms(spec) -> None:
+    """Every norm of a local-spec layer made megamu's ``RMSNorm`` (q/k norms only where the arch has them)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is not IdentityOp:
+            setattr(attention, name, RMSNorm)
+
+
+def decoder_spec(arch: ModelArch, transformer_impl: str):
+    """GPTModel's ``transformer_layer_spec``: the layer spec, and on the local spec the decoder block's submodules
+    with megamu's ``RMSNorm`` as the final norm (given a layer spec alone, megatron's TransformerBlock builds its
+    final norm from its own module-level choice, ``WrappedTorchNorm`` without TE or apex:
+    ``transformer/transformer_block.py:258``)."""
+    spec = layer_spec(arch, transformer_impl)
+    if transformer_impl != "local":
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=RMSNorm)
+
+
 def layer_spec(arch: ModelArch, transformer_impl: str):
     if arch.num_experts and transformer_impl in IMPLS:
         spec = moe_layer_spec(arch, transformer_impl)
         if transformer_impl == "local":
             spec.submodules.self_attention.submodules.core_attention = functools.partial(PortableAttention, arch=arch)
+            _local_norms(spec)
         return spec
     if transformer_impl == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = functools.partial(PortableAttention, arch=arch)
+        _local_norms(spec)
         return spec
     if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec

@@ -95,6 +95,9 @@ class PolicyConfig:
     offload_train: bool | None = flag("--offload-train", default=None, action="optional_bool", help=(
         "move the trainer's gradients and optimiser state (GPU: also weights) off the device while the engine "
         "generates (default: on in staged and colocated modes, off in async mode)"))
+    sequence_parallel: bool = flag("--sequence-parallel", default=False, action="store_true", help=(
+        "megatron-core's sequence parallelism: norms and residuals split over the tensor-parallel ranks (less "
+        "activation memory); needs --tensor-model-parallel-size > 1 and GPUs"))
     recompute_granularity: str | None = flag("--recompute-granularity", default=None, choices=["full", "selective"],
                                              help="activation recomputation in the backward (less memory, ~1/3 more "
                                                   "compute for full)")
@@ -135,17 +138,18 @@ class Policy:
         self.cfg = cfg
         self.hf_source = resolve_hf_checkpoint(cfg.hf_checkpoint)
         self.arch = ModelArch.from_hf(self.hf_source)
-        if self.arch.num_experts and parallel.tp_size() > 1:
+        if self.arch.num_experts and parallel.tp_size() > 1 and not cfg.sequence_parallel:
             # megatron-core trains MoE layers at TP > 1 only with sequence parallelism (0.16.1
-            # transformer/moe/moe_layer.py:379), which megamu does not run; on CPU the MoE forward at TP > 1 also
-            # allocates on CUDA (tensor_parallel/mappings.py:141)
+            # transformer/moe/moe_layer.py:379 raises in training); with it, a tiny Qwen3-MoE at TP 2 matches TP 1
+            # (tests/model/test_sequence_parallel.py)
             raise ConfigError("tensor_model_parallel_size", f"{parallel.tp_size()}: a mixture-of-experts model "
-                              "trains at tensor-parallel size 1 (megatron-core needs sequence parallelism for MoE "
-                              "with TP > 1, which megamu does not run)")
+                              "at tensor-parallel size > 1 needs --sequence-parallel (megatron-core needs sequence "
+                              "parallelism for MoE with TP > 1)")
         impl = cfg.transformer_impl or cfg.device.transformer_impl
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
                                  recompute_granularity=cfg.recompute_granularity,
-                                 load_balancing=(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff))
+                                 load_balancing=(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff),
+                                 sequence_parallel=cfg.sequence_parallel)
         # a group's prompt packed once before its responses needs a per-row attention mask, which only the local
         # spec's PortableAttention takes; TE's fused attention gets one row per sample
         self.share_prompts = impl == "local"
@@ -163,7 +167,7 @@ class Policy:
         resumes from: --pretrained-checkpoint (slime's --ref-load, an alias), else the initial HF weights."""
         impl = self.cfg.transformer_impl or self.cfg.device.transformer_impl
         model = build_model(self.arch, device=self.cfg.device, transformer_impl=impl, bf16=self.cfg.bf16,
-                            perform_initialization=False)
+                            perform_initialization=False, sequence_parallel=self.cfg.sequence_parallel)
         pretrained = self.cfg.checkpoint.pretrained_checkpoint
         if pretrained is not None:
             load_model_checkpoint(pretrained, model)

@@ -34,7 +34,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamu.errors import ConfigError
-from megamu.memory.memory_plan_phases import DTYPE_BYTES, GIB, Row, checkpoint_rows, plan_host
+from megamu.memory.memory_plan_phases import (
+    DTYPE_BYTES,
+    GIB,
+    Row,
+    checkpoint_rows,
+    plan_host,
+    push_rows,
+    server_rows,
+)
 from megamu.memory.model_shape import ModelShape, padded_vocab, require_positive
 from megamu.mode import mode_of
 
@@ -326,11 +334,21 @@ class MemoryPlan:
             self.host.check()
 
 
-def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
-    """The per-GPU table for ``c``: training, then the rollout phase of its mode."""
+@dataclass(frozen=True)
+class _TrainerState:
+    """One trainer rank's resident state: the table's rows and the byte counts the phases read."""
+
+    rows: list[tuple[str, int]]
+    params: int
+    grads: int
+    main: int
+    moments: int
+    dense_local: int  # parameters on this rank outside the experts
+    expert_local: int
+
+
+def _trainer_state(c: MemoryPlanConfig) -> _TrainerState:
     m, e = c.model, DTYPE_BYTES[c.params_dtype]
-    ctx = int(c.cuda_context_gib * GIB)
-    device = int(c.gpu_memory_gib * GIB)
     split, whole = m.param_counts(c.tp, padded_vocab(m.vocab_size, c.tp))
     dense_local = split // c.tp + whole
     expert_local = m.expert_params() // (c.tp * c.ep)
@@ -343,38 +361,29 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     params, grads = n_local * e, n_local * 4
     main = sharded(4) if c.params_dtype != "fp32" else 0
     moments = sharded(8)
-    state = [("params (" + c.params_dtype + ")", params), ("fp32 main params", main), ("fp32 grad buffer", grads),
-             ("Adam moments (fp32 x2)", moments)]
+    rows = [("params (" + c.params_dtype + ")", params), ("fp32 main params", main), ("fp32 grad buffer", grads),
+            ("Adam moments (fp32 x2)", moments)]
     if c.reference_model:  # weights only, split like the actor's; offloaded with the trainer's state
-        state.append(("reference policy params (" + c.params_dtype + ")", params))
+        rows.append(("reference policy params (" + c.params_dtype + ")", params))
+    return _TrainerState(rows, params, grads, main, moments, dense_local, expert_local)
+
+
+def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
+    """The per-GPU table for ``c``: training, then the rollout phase of its mode."""
+    m, e = c.model, DTYPE_BYTES[c.params_dtype]
+    ctx = int(c.cuda_context_gib * GIB)
+    t = _trainer_state(c)
+    state, params, grads, main = t.rows, t.params, t.grads, t.main
 
     s_split, s_whole = m.param_counts()
     server_weights = int(((s_split + m.expert_params()) / c.server_tp + s_whole) * e)
 
     no_kv: list[str] = []
+    device = int(c.gpu_memory_gib * GIB)
 
     def servers(phase: str, trainer_at_launch: int | None, released: bool) -> list[Row]:
-        """Each server rank on this GPU: it starts when the trainer holds ``trainer_at_launch`` (plus its context;
-        None: no trainer on this GPU) and the earlier servers hold theirs, and keeps f x (free at its start)."""
-        out, held = [], 0 if trainer_at_launch is None else ctx + trainer_at_launch
-        for i in range(c.servers_per_gpu):
-            name = f"server {i}" if c.servers_per_gpu > 1 else "server"
-            free = device - held - ctx
-            kv = int(c.mem_fraction_static * free) - server_weights
-            if kv <= 0:  # SGLang refuses to start; shown as 0 in the table, refused by check()
-                no_kv.append(f"phase '{phase}': {name} would have no KV cache: {c.mem_fraction_static} x "
-                             f"{free / GIB:.1f} GiB free at its start is less than its weights, "
-                             f"{server_weights / GIB:.1f} GiB")
-                kv = 0
-            out.append(Row(phase, f"{name}: CUDA context", ctx))
-            out.append(Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp})", server_weights,
-                           not released))
-            out.append(Row(phase, f"{name}: KV cache at mem_fraction_static {c.mem_fraction_static}", kv,
-                           not released))
-            out.append(Row(phase, f"{name}: left for its activations and graphs (1 - f)",
-                           int((1 - c.mem_fraction_static) * free), False))
-            held += ctx + server_weights + kv
-        return out
+        return server_rows(c, phase, trainer_at_launch, released, ctx=ctx, device=device,
+                           server_weights=server_weights, no_kv=no_kv)
 
     resident = sum(b for _, b in state)
     rows = [Row("training", "CUDA context + NCCL (trainer)", ctx)]
@@ -408,28 +417,9 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
             rows += [Row(phase, f"trainer {part}", b) for part, b in state]
     rows += servers(phase, at_launch, False)
     if mode.keeps_engine_up and c.weight_push:
-        rows += _push_rows(c, ctx, [] if c.offload_train else state, server_weights,
+        rows += push_rows(c, ctx, [] if c.offload_train else state, server_weights,
                            (sum(m.param_counts()) + m.expert_params()) * e if c.weight_push == "memory" else 0)
-    host = None if c.host_memory_gib is None else plan_host(c, n_dense=dense_local, n_expert=expert_local,
-                                                            mirrored=main + moments)
+    host = None if c.host_memory_gib is None else plan_host(c, n_dense=t.dense_local, n_expert=t.expert_local,
+                                                            mirrored=t.main + t.moments)
     return MemoryPlan(c, rows, no_kv, host)
 
-
-def _push_rows(c: MemoryPlanConfig, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int,
-               gathered: int) -> list[Row]:
-    """A colocated refresh as megamu.loop.staged.publish orders it: the weights gathered while the trainer holds
-    them, the trainer offloaded, then each server's weights resumed (SGLang's /resume_memory_occupation, tag
-    "weights"; its KV cache stays released until the push is done) and the push, bucket by bucket."""
-    phase = "push (colocated refresh)"
-    rows = [Row(phase, "CUDA context + NCCL (trainer)", ctx)]
-    rows += [Row(phase, f"trainer {part}", b) for part, b in trainer_state]
-    if gathered:
-        rows.append(Row(phase, f"full weights gathered for the push (each pushing rank, {c.params_dtype})", gathered))
-        rows.append(Row(phase, f"flattened push buckets ({c.push_bucket_copies} x {c.push_bucket_mb:g} MiB)",
-                        int(c.push_bucket_copies * c.push_bucket_mb * 2**20)))
-    for i in range(c.servers_per_gpu):
-        name = f"server {i}" if c.servers_per_gpu > 1 else "server"
-        rows += [Row(phase, f"{name}: CUDA context", ctx),
-                 Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp}), resumed", server_weights),
-                 Row(phase, f"{name}: KV cache (released until the push is done)", 0, False)]
-    return rows

@@ -1,5 +1,6 @@
-"""The memory plan's checkpoint phase (per GPU) and its host-memory plan (per node). Pure arithmetic, like
-``megamu.memory.memory_plan``, which calls ``checkpoint_rows`` and ``plan_host``.
+"""The memory plan's phases beside training: the servers' rows (``server_rows``), a colocated refresh's push
+(``push_rows``), the checkpoint phase (per GPU) and the host-memory plan (per node). Pure arithmetic, like
+``megamu.memory.memory_plan``, whose ``plan_memory`` calls them.
 
 Checkpoint (per GPU): a save runs after an update with the trainer's state resident (and, colocated, the servers'
 memory released as in training). megamu's GPU optimiser assembles each parameter's full (TP-local) optimiser state on
@@ -204,3 +205,48 @@ def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
     rows.append(HostRow("checkpoint save", f"megatron's pinned staging of the model, 2^k rounded ({r} ranks)",
                         r * staged))
     return HostPlan(rows, c.host_memory_gib, r)
+
+
+def server_rows(c, phase: str, trainer_at_launch: int | None, released: bool, *, ctx: int, device: int,
+                server_weights: int, no_kv: list[str]) -> list[Row]:
+    """Each server rank on this GPU in ``phase`` (``c`` a MemoryPlanConfig): it starts when the trainer holds
+    ``trainer_at_launch`` (plus its context; None: no trainer on this GPU) and the earlier servers hold theirs, and
+    keeps f x (free at its start). A server that would have no KV cache is said in ``no_kv`` (SGLang refuses to
+    start it) and shown with 0."""
+    out, held = [], 0 if trainer_at_launch is None else ctx + trainer_at_launch
+    for i in range(c.servers_per_gpu):
+        name = f"server {i}" if c.servers_per_gpu > 1 else "server"
+        free = device - held - ctx
+        kv = int(c.mem_fraction_static * free) - server_weights
+        if kv <= 0:
+            no_kv.append(f"phase '{phase}': {name} would have no KV cache: {c.mem_fraction_static} x "
+                         f"{free / GIB:.1f} GiB free at its start is less than its weights, "
+                         f"{server_weights / GIB:.1f} GiB")
+            kv = 0
+        out.append(Row(phase, f"{name}: CUDA context", ctx))
+        out.append(Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp})", server_weights, not released))
+        out.append(Row(phase, f"{name}: KV cache at mem_fraction_static {c.mem_fraction_static}", kv, not released))
+        out.append(Row(phase, f"{name}: left for its activations and graphs (1 - f)",
+                       int((1 - c.mem_fraction_static) * free), False))
+        held += ctx + server_weights + kv
+    return out
+
+
+def push_rows(c, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int,
+               gathered: int) -> list[Row]:
+    """A colocated refresh as megamu.loop.staged.publish orders it: the weights gathered while the trainer holds
+    them, the trainer offloaded, then each server's weights resumed (SGLang's /resume_memory_occupation, tag
+    "weights"; its KV cache stays released until the push is done) and the push, bucket by bucket."""
+    phase = "push (colocated refresh)"
+    rows = [Row(phase, "CUDA context + NCCL (trainer)", ctx)]
+    rows += [Row(phase, f"trainer {part}", b) for part, b in trainer_state]
+    if gathered:
+        rows.append(Row(phase, f"full weights gathered for the push (each pushing rank, {c.params_dtype})", gathered))
+        rows.append(Row(phase, f"flattened push buckets ({c.push_bucket_copies} x {c.push_bucket_mb:g} MiB)",
+                        int(c.push_bucket_copies * c.push_bucket_mb * 2**20)))
+    for i in range(c.servers_per_gpu):
+        name = f"server {i}" if c.servers_per_gpu > 1 else "server"
+        rows += [Row(phase, f"{name}: CUDA context", ctx),
+                 Row(phase, f"{name}: weights ({c.params_dtype}, TP {c.server_tp}), resumed", server_weights),
+                 Row(phase, f"{name}: KV cache (released until the push is done)", 0, False)]
+    return rows

@@ -236,6 +236,12 @@ ARMS = (
     Arm("minibatch-8x8-mu1024", PAIR, prompts=8, mu=1024, updates=4096,
         tests="B_mini 8 x 8 at the paper's staleness μ = 1024 x 4 (4x the data and compute of the set)",
         implicates="μ-GRPO at or above high-staleness GRPO", clears="μ-GRPO below by more than 2 SE"),
+    # Registered 2026-12-07 01:58 UTC, after the second sitting (whose reading proposed it) and before any run of it.
+    Arm("grpo-32x8", ("grpo",), prompts=32, mu=64, updates=256,
+        tests="the paper's like-for-like (e): GRPO μ = 4 (colocated, clip 0.2) at B_mini 32 x 8, the same data as "
+              "minibatch-32x8 (8192 prompts), against that arm's μ-GRPO at the same seed",
+        implicates="(for claim e) μ-GRPO's last-stage mean within 2 SE of GRPO μ = 4's at 32 x 8: it matches",
+        clears="μ-GRPO below GRPO μ = 4 at 32 x 8 by more than 2 SE: it does not match at the paper's B_mini"),
 )
 # Seeds are cut before arms: every arm's seed 1 runs before any seed 2. The one-run τ arm was moved before the
 # two-run B_mini arm a minute into the first run of the sitting (no run of either had started), so that a sitting of

@@ -210,6 +210,12 @@ def round_two(runs: list, lab: dict, fig_dir, rel: str) -> list[str]:
                      + ("in Table 5's band" if in_band else "**outside Table 5's band: the rule missed**"),
                      diff_line("τ rule minus grpo-high-staleness (baseline)", t, base.get("grpo-high-staleness", [])),
                      diff_line("τ rule minus τ 1e-4 (baseline mu-grpo)", t, base.get("mu-grpo", []), PAPER["tau"])]
+        elif a.name == "grpo-32x8":  # read against minibatch-32x8's runs: the same data, B_mini and seeds
+            b32 = by_method(arms["minibatch-32x8"])
+            lines = [diff_line("minibatch-32x8's mu-grpo minus grpo μ = 4 at 32 x 8", b32.get("mu-grpo", []),
+                               rs.get("grpo", []), PAPER["mu-grpo - grpo"]),
+                     diff_line("minibatch-32x8's grpo-high-staleness minus grpo μ = 4 at 32 x 8",
+                               b32.get("grpo-high-staleness", []), rs.get("grpo", []))]
         else:
             lines = [diff_line(f"{a.name}: mu-grpo minus grpo-high-staleness", rs.get("mu-grpo", []),
                                rs.get("grpo-high-staleness", []), PAPER["minibatch"] if "minibatch" in a.name
@@ -228,7 +234,9 @@ def round_two(runs: list, lab: dict, fig_dir, rel: str) -> list[str]:
             "### Time to accuracy (the timed runs of one sitting: baseline and τ arms)", "", *time_to_accuracy(timed),
             ""]
     for a in plan.ARMS:
-        if arms[a.name] and figs.seed_mean_panels(by_method(arms[a.name]), fig_dir / f"r2_{a.name}.png",
+        shown = {**by_method(arms["minibatch-32x8"]), **by_method(arms[a.name])} if a.name == "grpo-32x8" \
+            else by_method(arms[a.name])
+        if arms[a.name] and figs.seed_mean_panels(shown, fig_dir / f"r2_{a.name}.png",
                                                   f"round two, {a.name}"):
             out += [f"![{a.name}]({rel}/r2_{a.name}.png)", ""]
     return out

@@ -1,39 +1,15 @@
 """Launch a worker script on N ranks of one node (gloo, CPU; torchrun's environment, forked by tests/warm_launch.py)
-from a test, with a hard timeout; and free ports for the servers a test launches."""
+from a test, with a hard timeout; free ports for the servers a test launches are tests/ports.py's."""
 
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 from megamu.runtime.net import free_port  # noqa: F401  (tests import it from here)
+from tests.ports import server_ports  # noqa: F401  (tests import it from here)
 from tests.warm_launch import warm_launcher
-
-
-def server_ports(span: int = 1) -> int:
-    """A base port with ports base .. base + span - 1 free now, for servers a test launches at fixed offsets (the
-    SGLang launcher's port_base + i, a node's + 10). Drawn below Linux's ephemeral range (32768 and up), where every
-    client connection of every test running beside this one takes its port: a port next to a free ephemeral one is
-    often such a connection's (seen with two pytest workers)."""
-    rng = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 32768 - span)
-        if all(_bindable(base + i) for i in range(span)):
-            return base
-    raise RuntimeError(f"no {span} free ports in a row below 32768")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None):

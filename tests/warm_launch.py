@@ -164,9 +164,9 @@ class WarmLauncher:
 
     def run(self, args: list[str], *, env: dict[str, str], timeout: float, nproc: int = 1,
             script: Path = SCRIPT) -> subprocess.CompletedProcess:
-        from megamu.runtime.net import free_port
+        from tests.ports import server_ports
 
-        port = free_port() if nproc > 1 else 0
+        port = server_ports() if nproc > 1 else 0  # the rendezvous store's: below the ephemeral range
         with tempfile.TemporaryDirectory(prefix="warm-launch-") as tmp:
             ranks = [{"env": env if nproc == 1 else {**env, **torchrun_env(r, nproc, port)},
                       "stdout": str(Path(tmp) / f"stdout{r}"), "stderr": str(Path(tmp) / f"stderr{r}")}

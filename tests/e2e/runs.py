@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.ports import server_ports
 from tests.processes import run_owned
-from tests.torchrun import free_port
 from tests.warm_launch import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def launch(args: list[str], *, nproc: int = 1, env: dict | None = None, check: b
     full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
+               "127.0.0.1", "--master_port", str(server_ports()), str(SCRIPT), *args]  # below the ephemeral range
         proc = run_owned(cmd, cwd=REPO, env=full_env, timeout=600)
     else:
         proc = warm_launcher().run(args, env=full_env, timeout=600, nproc=nproc)

@@ -246,9 +246,11 @@ def test_round_two_runs_every_arms_first_seed_before_any_second():
                          ("grpo-high-staleness", 1024, 2, 4096, 3e-5, "timed")]
     assert first[3][0] == plan.TAU_RULE_METHOD and ("mu-grpo", 256, 8, 1024, 3e-5, "") in first
     assert ("grpo-high-staleness", 64, 32, 256, 3e-5, "") in first
-    # equal data: every arm but the last sees 4 stages of 2048 prompts; evaluations at the same samples
+    # equal data: every arm but minibatch-8x8-mu1024 (4x) sees 8192 prompts, in 4 stages (staged) or stages of μ = 4
+    # updates (GRPO); evaluations at the same samples
     for k in keys:
-        assert k.stages == (1024 if k.mu == 4 else 4)
+        assert k.updates * k.prompts_per_update(a) == 8192 * (4 if k.prompts_per_update(a) == 8 and k.mu == 1024 else 1)
+        assert k.stages == (k.updates // 4 if k.mu == 4 else 4)
         if k.updates * k.prompts_per_update(a) == 8192:
             assert k.eval_every(a) * k.prompts_per_update(a) == 512
     assert len({k.name(a) for k in keys}) == len(keys)

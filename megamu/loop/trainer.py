@@ -148,8 +148,9 @@ class Trainer:
         _print(f"[stage {stage}] rollout reward {m.reward_mean:.3f}  export {times['t_export']:.1f}s  "
                f"rollout {times['t_rollout']:.1f}s  train {times['t_train']:.1f}s"
                + (f"  {drift.line()}" if drift else ""))
-        if drift and drift.hint(stage):
-            _print(drift.hint(stage))
+        hint = drift.hint(stage) if drift else None
+        if hint:
+            _print(hint)
         crash_point("stage", stage)
 
     def finish(self) -> None:

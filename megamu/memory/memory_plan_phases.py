@@ -232,8 +232,7 @@ def server_rows(c, phase: str, trainer_at_launch: int | None, released: bool, *,
     return out
 
 
-def push_rows(c, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int,
-               gathered: int) -> list[Row]:
+def push_rows(c, ctx: int, trainer_state: list[tuple[str, int]], server_weights: int, gathered: int) -> list[Row]:
     """A colocated refresh as megamu.loop.staged.publish orders it: the weights gathered while the trainer holds
     them, the trainer offloaded, then each server's weights resumed (SGLang's /resume_memory_occupation, tag
     "weights"; its KV cache stays released until the push is done) and the push, bucket by bucket."""

@@ -84,6 +84,7 @@ class RunKey:
     updates: int
     prompts: int | None = None  # prompts per update (B_mini / G); None: --prompts-per-update
     tag: str = ""  # a run of a registered arm that must not be read back from an older sitting's (e.g. "timed")
+    every: int | None = None  # updates between evaluations, fixed by the arm (round three); None: --eval-every scaled
 
     @property
     def stages(self) -> int:
@@ -94,6 +95,8 @@ class RunKey:
 
     def eval_every(self, a: argparse.Namespace) -> int:
         """--eval-every scaled to this key's updates: every run is evaluated at the same rollout samples."""
+        if self.every:
+            return self.every
         return max(a.eval_every * self.updates // a.updates, 1)
 
     def config(self, a: argparse.Namespace) -> dict:
@@ -115,11 +118,12 @@ class RunKey:
 
 
 def key_of(a: argparse.Namespace, label: str, seed: int, lr: float, mu: int | None = None,
-           prompts: int | None = None, updates: int | None = None, tag: str = "") -> RunKey:
+           prompts: int | None = None, updates: int | None = None, tag: str = "", every: int | None = None) -> RunKey:
     """The key of ``label`` at ``seed`` and ``lr``: μ = --low-mu for the colocated methods, else ``mu`` or --mu;
     ``prompts`` per update and ``updates`` default to the flags'."""
     method = BY_LABEL[label]
-    return RunKey(method, mu or (a.low_mu if method.low else a.mu[0]), seed, lr, updates or a.updates, prompts, tag)
+    return RunKey(method, mu or (a.low_mu if method.low else a.mu[0]), seed, lr, updates or a.updates, prompts, tag,
+                  every)
 
 
 def train(a: argparse.Namespace, key: RunKey) -> dict:
@@ -242,8 +246,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="the pre-registered run set, in order (fidelity_plan.py)")
     p.add_argument("--round2", action="store_true",
                    help="issue 42's registered arms (fidelity_plan.ARMS) in their order, like --plan")
-    p.add_argument("--arms", nargs="+", default=None, choices=[arm.name for arm in plan.ARMS],
-                   help="with --round2: only these arms, in the registered order (default: all)")
+    p.add_argument("--round3", action="store_true",
+                   help="issue 51's registered runs (fidelity_plan.ROUND3_ORDER) in their order, like --plan")
+    p.add_argument("--arms", nargs="+", default=None, choices=[arm.name for arm in plan.ARMS + plan.ARMS3],
+                   help="with --round2/--round3: only these arms, in the registered order (default: all)")
     p.add_argument("--until", default=None, help="HH:MM UTC: --plan starts no run after this time")
     p.add_argument("--max-runs", type=int, default=None, help="--plan trains at most this many runs")
     p.add_argument("--methods", nargs="+", choices=list(BY_LABEL), default=[])
@@ -304,10 +310,10 @@ def main(argv: list[str] | None = None) -> None:
                                                 seed=a.spec.seed + 1, digits=a.spec.digits)
     if a.report_only:
         pass
-    elif a.plan or a.round2:
+    elif a.plan or a.round2 or a.round3:
         if a.round2:
             check_tau_rule(a)
-        next_keys = plan.round2_keys if a.round2 else plan.next_keys
+        next_keys = plan.round3_keys if a.round3 else plan.round2_keys if a.round2 else plan.next_keys
         trained = 0
         while a.max_runs is None or trained < a.max_runs:
             if a.until and time.strftime("%H:%M", time.gmtime()) >= a.until:

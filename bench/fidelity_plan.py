@@ -200,6 +200,7 @@ class Arm:
     tests: str = ""
     implicates: str = ""
     clears: str = ""
+    seeds: tuple[int, ...] = (1, 2)  # round three's arms name their seeds (ROUND3_ORDER runs them)
 
 
 PAIR = ("mu-grpo", "grpo-high-staleness")
@@ -281,4 +282,67 @@ def round2_keys(a, runs) -> list:
                 k = a.key_of(label, seed, arm.lr, None if low else arm.mu, arm.prompts, arm.updates, arm.tag)
                 if k.name(a) not in have:
                     keys.append(k)
+    return keys
+
+
+# --- round three (issue 51): the paper's headline at one lr. Registered 2026-12-07 ~07:00 UTC, before any run of it. -
+ROUND3_LR = 1e-5  # μ-GRPO's best lr in round two (drift-lr1e-5); the paper compares both rules at one lr
+ROUND3_EVERY = 128  # updates between evaluations in every round-three run
+HEADLINE_MARGIN = -0.03  # "matches": μ-GRPO at most 3 points below GRPO μ = 4 (the lower bound of the interval)
+HEADLINE_CONFIDENCE = 0.90
+ARMS3 = (
+    Arm("A-grpo-lr1e-5", ("grpo",), lr=ROUND3_LR, seeds=(1, 2, 3, 4),
+        tests="GRPO μ = 4 (colocated, clip 0.2) at lr 1e-5, 2 x 8, 4096 updates, on the shipped lab model: the "
+              "paper's baseline at μ-GRPO's lr"),
+    Arm("B-mu-grpo-lr1e-5", ("mu-grpo",), lr=ROUND3_LR, seeds=(3, 4),
+        tests="μ-GRPO at μ = 1024 x 4, lr 1e-5, 2 x 8: seeds 3-4; seeds 1-2 are drift-lr1e-5's committed runs (the "
+              "same run but evaluated every 256 updates)"),
+    Arm("E-staleness-mu64", PAIR, mu=64, lr=ROUND3_LR,
+        tests="the staleness curve: μ-GRPO and clipped high-staleness GRPO at μ = 64 per stage (64 stages), "
+              "equal data"),
+    Arm("E-staleness-mu256", PAIR, mu=256, lr=ROUND3_LR,
+        tests="the staleness curve at μ = 256 per stage (16 stages), equal data"),
+    Arm("C-grpo-lr3e-5", ("grpo",), seeds=(2, 3, 4),
+        tests="GRPO μ = 4 at lr 3e-5 on the shipped model (seed 1 is round two's timed baseline run)"),
+    Arm("D-mu-grpo-8x8-mu1024", ("mu-grpo",), prompts=8, lr=ROUND3_LR,
+        tests="B_mini 8 x 8 without changing μ (1024 x 4; 4x the data of the 2 x 8 runs), against B at the same seed"),
+)
+# The sitting's order: the headline's pairs first (a seed of A beside the B it pairs with), then E, C, D; seeds are
+# cut before arms.
+ROUND3_ORDER = (("A-grpo-lr1e-5", 1), ("A-grpo-lr1e-5", 2), ("B-mu-grpo-lr1e-5", 3), ("A-grpo-lr1e-5", 3),
+                ("B-mu-grpo-lr1e-5", 4), ("A-grpo-lr1e-5", 4),
+                ("E-staleness-mu64", 1), ("E-staleness-mu256", 1), ("E-staleness-mu64", 2), ("E-staleness-mu256", 2),
+                ("C-grpo-lr3e-5", 2), ("C-grpo-lr3e-5", 3), ("C-grpo-lr3e-5", 4),
+                ("D-mu-grpo-8x8-mu1024", 1), ("D-mu-grpo-8x8-mu1024", 2))
+
+ROUND3_RULES = f"""\
+- Registered in bench/fidelity_plan.py (`ARMS3`, `ROUND3_ORDER`) before any of its runs, on the shipped lab model;
+  every round-three run is evaluated every {ROUND3_EVERY} updates.
+- **Headline rule** (μ-GRPO matches GRPO μ = 4 at one lr, lr {ROUND3_LR:g}): d_s = B's last-stage mean minus A's at
+  seed s, s = 1..4; the interval is mean(d) ± t(n-1, 0.95) sd(d) / sqrt(n), a two-sided
+  {HEADLINE_CONFIDENCE:.0%} t interval over the n paired seeds (seed and evaluation noise both sit in d's spread).
+  **matches** if its lower bound is above {HEADLINE_MARGIN}, **does not match** if its upper bound is below
+  {HEADLINE_MARGIN}, else **inconclusive**, with the seeds that would decide it at the same mean and spread. If B
+  does not match A, the staleness curve (E) says from which μ on μ-GRPO falls behind.
+- Time to accuracy: wall-clock (the trainer's, rollout and syncs included) to the first evaluation at 90 % of A's
+  last-stage mean at the same seed; ratio B / A. A and B run one after the other on one core, beside other work on
+  the second core: their clocks compare only roughly.
+- Every other comparison uses the same paired-seed t interval; with one seed (no seed spread to read) the verdict
+  is **inconclusive** whatever the evaluation noise says."""
+
+
+def round3_keys(a, runs) -> list:
+    """The round-three runs still to do, in ROUND3_ORDER (with ``a.arms``, only those arms)."""
+    have = {r.s["key"] for r in runs}
+    arms = {arm.name: arm for arm in ARMS3}
+    keys = []
+    for name, seed in ROUND3_ORDER:
+        arm = arms[name]
+        if getattr(a, "arms", None) and name not in a.arms:
+            continue
+        for label in arm.methods:
+            low = label == "grpo"
+            k = a.key_of(label, seed, arm.lr, None if low else arm.mu, arm.prompts, arm.updates, "", ROUND3_EVERY)
+            if k.name(a) not in have:
+                keys.append(k)
     return keys

@@ -42,6 +42,9 @@ paper_flags() {
         --behaviour-logprobs engine
         --rollout-groups-per-shard 256 --rollout-shards-per-call 4
         --save-interval 200 --hf-export-interval 200 --log-interval 1 --seed 1234
+        # every collective of the training step may wait this long for a slow rank (checkpoint saves wait on their
+        # own gloo group, sized to the save; the rollout's waits on another): megatron-LM's default is 10 minutes
+        --distributed-timeout-minutes 30
         --eval-prompts 0
     )
     if [[ -n "${SGLANG_URL:-}" ]]; then

@@ -33,7 +33,7 @@ def init_distributed(
     device.import_megatron()
     from megatron.core import parallel_state, tensor_parallel
 
-    global _device
+    global _device, _collective_timeout
 
     tp = int(tensor_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
@@ -56,6 +56,7 @@ def init_distributed(
         else:  # plain python: a world of one on a free local port, without touching the env of child processes
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     **rendezvous)
+        _collective_timeout = timeout.get("timeout")
         if timeout:
             # torch 2.13 distributed_c10d.py:1616: sets the timeout of the group's gloo/NCCL backends after init
             # (tests/training/test_parallel.py checks that a plain barrier then times out at the short bound)
@@ -98,14 +99,46 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 # A rollout on rank 0 can take hours (262k samples per stage in the paper's setting); this only bounds a dead rank 0.
 MAIN_RANK_WAIT_TIMEOUT = timedelta(days=2)
 _wait_group: dist.ProcessGroup | None = None
+_save_group: dist.ProcessGroup | None = None  # a checkpoint save's collectives and waits (save_group)
+_collective_timeout: timedelta | None = None  # --distributed-timeout-minutes (None: torch's default)
 
 
 def _init_wait_group() -> None:
-    """A gloo group over all ranks with its own long timeout: its barrier waits on the CPU, so a long wait neither
-    trips the NCCL watchdog nor keeps a spinning NCCL kernel on a GPU that the rollout engine uses."""
-    global _wait_group
+    """Gloo groups over all ranks with timeouts of their own: their waits are on the CPU, so a long wait neither
+    trips the NCCL watchdog nor keeps a spinning NCCL kernel on a GPU that the rollout engine uses. One for rank 0's
+    long phases (wait_for_main_rank), one for checkpoint saves (save_group): a save's timeout is sized to each save,
+    while the long phases keep theirs."""
+    global _wait_group, _save_group
     if dist.get_world_size() > 1:
         _wait_group = dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT_TIMEOUT)
+        _save_group = dist.new_group(backend="gloo", timeout=MAIN_RANK_WAIT_TIMEOUT)
+
+
+# The slowest writer a save's timeout allows for: 50 MB/s per rank, a shared filesystem with 8 writers per node on
+# one ~400 MB/s link (a 30B-A3B checkpoint, ~380 GB over 8 ranks, then gets 26 minutes), plus a fixed 10 minutes for
+# rank 0's rename and retention.
+SAVE_BYTES_PER_S = 50e6
+SAVE_FIXED = timedelta(minutes=10)
+
+
+def save_timeout(largest_rank_bytes: int) -> timedelta:
+    """How long a rank may wait for the others during a save whose largest rank writes ``largest_rank_bytes``: never
+    below the collective timeout the run asked for."""
+    sized = SAVE_FIXED + timedelta(seconds=largest_rank_bytes / SAVE_BYTES_PER_S)
+    return max(sized, _collective_timeout) if _collective_timeout else sized
+
+
+def save_group(largest_rank_bytes: int) -> dist.ProcessGroup | None:
+    """The CPU-side gloo group a checkpoint save runs its collectives and waits on, its timeout set for this save
+    (``save_timeout``); None in a world of one. Every rank waits there for the slowest writer and for rank 0's
+    rename and retention, which on the default group would meet the NCCL watchdog (torchtitan's CheckpointManager
+    gives torch.distributed.checkpoint a gloo group of its own for the same reason)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if _save_group is None:
+        raise RuntimeError("save_group: the process group was not created by init_distributed")
+    dist.distributed_c10d._set_pg_timeout(save_timeout(largest_rank_bytes), _save_group)
+    return _save_group
 
 
 def wait_for_main_rank() -> None:
@@ -118,10 +151,10 @@ def wait_for_main_rank() -> None:
 
 
 def destroy_distributed() -> None:
-    global _wait_group
+    global _wait_group, _save_group
     from megatron.core import parallel_state
 
-    _wait_group = None
+    _wait_group = _save_group = None
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

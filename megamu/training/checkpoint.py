@@ -20,13 +20,17 @@ CPU: megatron-core 0.16.1's stock save refuses a CPU-only torch: ``FileSystemWri
 (strategies/filesystem_async.py:230) calls ``torch.cuda.synchronize()``, and ``save_state_dict_async_finalize``
 (strategies/state_dict_saver.py:252) and the async-save machinery (strategies/async_utils.py:165, 212, 488, 604) use
 ``torch.cuda.current_device()``. ``SyncTorchDistSave`` writes the same format through PyTorch's synchronous
-``FileSystemWriter`` with megatron's own planner and key translation; on CUDA the stock strategy is used.
+``FileSystemWriter`` with megatron's own planner and key translation.
+
+It is used on CUDA too, for the waits: the stock strategy runs torch.distributed.checkpoint's plan and finish
+collectives on the default group (``save_state_dict_async_plan(..., None, coordinator)``, strategies/torch.py:703),
+where every rank waits for the slowest writer under the NCCL watchdog's timeout. ``SyncTorchDistSave`` gives them
+``parallel.save_group``: gloo on the CPU, its timeout sized to the save.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ from torch.distributed.checkpoint import CheckpointException
 from megamu.errors import ConfigError
 from megamu.model import ModelArch, unwrap
 from megamu.runtime import parallel
-from megamu.runtime.atomic import atomic_write_text, make_temp_dir, replace_dir
+from megamu.runtime.atomic import atomic_write_text, make_temp_dir
 from megamu.training.checkpoint_dirs import (
     TRACKER,
     CheckpointError,
@@ -57,8 +61,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "main_param")  # main_param: fp32 master wei
 OPT_PREFIX = "optimizer.state"  # megatron-core's prefix for per-parameter state (optim_state_to_sharding_state)
 
 
-def _sync_save_strategy():
-    """A torch_dist save strategy that never touches CUDA (see the module docstring for why it exists)."""
+def _sync_save_strategy(process_group=None):
+    """A torch_dist save strategy whose collectives run on ``process_group`` (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -69,20 +73,31 @@ def _sync_save_strategy():
 
     class SyncTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
-            # the same translation and planner as the stock async_save, then PyTorch's synchronous writer, whose
-            # collectives run on the default (gloo) group with CPU tensors
+            # the same translation and planner as the stock async_save, then PyTorch's synchronous writer (it copies
+            # CUDA tensors to the host as it writes), whose collectives run on the given gloo group
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             dcp.save(mcore_to_pyt_state_dict(flat, False),
                      storage_writer=dcp.FileSystemWriter(checkpoint_dir, thread_count=self.thread_count),
                      planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                              flatten_state_dict=False))
+                                              flatten_state_dict=False),
+                     process_group=process_group)
 
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def save_strategy():
-    """The stock strategy (async-capable) on CUDA, the synchronous CPU-safe one otherwise; both write torch_dist."""
-    return None if parallel.device().is_cuda else _sync_save_strategy()
+def save_strategy(process_group=None):
+    """The torch_dist save strategy on every device: synchronous, its collectives on ``process_group``."""
+    return _sync_save_strategy(process_group)
+
+
+def _largest_rank_bytes(*sharded: dict) -> int:
+    """The most bytes any rank writes in this save (tensors only, replicas counted: an upper bound)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    mine = sum(v.data.numel() * v.data.element_size() for d in sharded for v in nested_values(d)
+               if isinstance(v, ShardedTensor) and v.data is not None)
+    return max(parallel.all_gather_object(mine))
 
 
 def _param_tensors(model_sd: dict) -> dict[int, tuple[str, object]]:
@@ -124,11 +139,12 @@ def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> 
     return out, steps
 
 
-def _write_sharded(sharded: dict, folder: Path) -> None:
-    """``dist_checkpointing.save`` with the device's strategy (a seam for tests that simulate a failed write)."""
+def _write_sharded(sharded: dict, folder: Path, group=None) -> None:
+    """``dist_checkpointing.save`` with its collectives on ``group`` (a seam for tests that simulate a failed
+    write)."""
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(sharded, str(folder), sharded_strategy=save_strategy())
+    dist_checkpointing.save(sharded, str(folder), sharded_strategy=save_strategy(group))
 
 
 def save_checkpoint(
@@ -163,15 +179,16 @@ def save_checkpoint(
     sharded = {"model": model_sd, "optimizer": opt_sd, "optimizer_steps": steps, "iteration": iteration,
                "checkpoint_version": CHECKPOINT_VERSION,  # Megatron-LM's top-level names, and what it reads besides
                **entries}
+    group = parallel.save_group(_largest_rank_bytes(model_sd, opt_sd))  # every wait below: gloo, sized to the save
     error = None
     try:
-        _write_sharded(sharded, tmp)
+        _write_sharded(sharded, tmp, group)
     except (Exception, CheckpointException) as e:  # disk full on one rank: every rank still reaches the gather
         error = f"{type(e).__name__}: {e}"
     has_optimizer_state = bool(opt_sd)
     del sharded, opt_sd  # the host copy of the optimiser state goes before the rank moves on
     parallel.device().release_host_cache()  # megatron's pinned staging: back to the OS, not kept for the run
-    errors = parallel.all_gather_object(error)
+    errors = parallel.all_gather_object(error, group)  # a rank that wrote less waits here for the slowest
 
     def finish() -> None:
         _raise_any(errors, f"writing checkpoint {out}")
@@ -189,7 +206,7 @@ def save_checkpoint(
             "rng": rngs,
         }, indent=1) + "\n")
 
-    return publish(main, tmp, out, save_dir, iteration, keep, finish)
+    return publish(main, tmp, out, save_dir, iteration, keep, finish, group)
 
 
 def load_checkpoint(load_dir: str | Path, model, arch: ModelArch, optimizer) -> dict | None:
@@ -277,29 +294,19 @@ def _load_sharded(folder: Path, model, optimizer, state: dict | None) -> None:
 def save_model_checkpoint(save_dir: str | Path, iteration: int, model) -> Path:
     """The model alone as a torch_dist checkpoint ``save_dir/iter_N`` + tracker, as Megatron-LM lays it out (what
     ``--load`` with ``--finetune`` / ``--no-load-optim`` reads; ``load_checkpoint`` gives it as a run's initial
-    weights). Collective; the folder appears only once complete."""
+    weights). Collective; the folder appears only once complete; no older checkpoint is pruned."""
     out = iteration_dir(save_dir, iteration)
     main = parallel.is_main_rank()
     tmp = Path(parallel.all_gather_object(str(make_temp_dir(out)) if main else None)[0])
+    model_sd = unwrap(model).sharded_state_dict()
+    group = parallel.save_group(_largest_rank_bytes(model_sd))
     error = None
     try:
-        _write_sharded({"model": unwrap(model).sharded_state_dict(), "iteration": iteration,
-                        "checkpoint_version": 3.0}, tmp)
+        _write_sharded({"model": model_sd, "iteration": iteration, "checkpoint_version": 3.0}, tmp, group)
     except (Exception, CheckpointException) as e:  # every rank still reaches the gather below
         error = f"{type(e).__name__}: {e}"
-    errors = parallel.all_gather_object(error)
-    error = None
-    if main:
-        try:
-            _raise_any(errors, f"writing {out}")
-            replace_dir(tmp, out)
-            atomic_write_text(Path(save_dir) / TRACKER, f"{iteration}\n")
-        except (OSError, CheckpointError) as e:
-            error = str(e)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    _raise_any(parallel.all_gather_object(error), f"saving {out}")
-    return out
+    errors = parallel.all_gather_object(error, group)
+    return publish(main, tmp, out, save_dir, iteration, 0, lambda: _raise_any(errors, f"writing {out}"), group)
 
 
 def load_model_checkpoint(load_dir: str | Path, model) -> int:

@@ -115,10 +115,11 @@ def latest_iteration(load_dir: str | Path) -> int | None:
 
 
 def publish(main: bool, tmp: Path, out: Path, save_dir: str | Path, iteration: int, keep: int,
-            finish: Callable[[], None]) -> Path:
+            finish: Callable[[], None], group: dist.ProcessGroup | None = None) -> Path:
     """The end of a save, in both formats: rank 0 completes the folder ``tmp`` (``finish``), puts it in place of
     ``out``, moves the tracker to it and applies retention; then every rank raises the same error if any step failed,
-    so none goes on alone."""
+    so none goes on alone. The other ranks wait for rank 0's rename and retention on ``group`` (the save's gloo
+    group, ``parallel.save_group``), not under the default group's collective timeout."""
     error = None
     if main:
         try:
@@ -130,5 +131,5 @@ def publish(main: bool, tmp: Path, out: Path, save_dir: str | Path, iteration: i
             error = str(e)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful replace
-    _raise_any(parallel.all_gather_object(error), f"saving checkpoint {out}")
+    _raise_any(parallel.all_gather_object(error, group), f"saving checkpoint {out}")
     return out

@@ -45,6 +45,30 @@ def test_ranks_wait_for_rank0s_hf_export_on_the_cpu_group_despite_a_short_timeou
     assert any((tmp_path / "export").glob("*.safetensors"))
 
 
+def test_a_save_survives_a_slow_writer_and_a_slow_retention_despite_a_short_timeout(tmp_path):
+    """A torch_dist save (issue 50): rank 1 writes its shards 8 s late and rank 0's retention takes 8 s, under a 3 s
+    collective timeout; the ranks wait for each other on the save's gloo group (parallel.save_group) and the
+    checkpoint loads back. On the default group either wait times out (the barrier control below)."""
+    save_tiny_model(tmp_path / "hf", "llama", 0)
+    proc = run_torchrun(WAIT_WORKER, 2, "save", str(tmp_path), timeout=180)
+    waited = {int(r): float(t) for r, t in re.findall(r"rank (\d) waited ([\d.]+)s OK", proc.stdout)}
+    # each rank waits 8 s for the other (past the 3 s timeout) besides its own 8 s
+    assert set(waited) == {0, 1} and min(waited.values()) > 2 * 8.0, proc.stdout
+    assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_save_timeout_is_sized_to_the_largest_rank_and_never_below_the_collective_timeout(monkeypatch):
+    from datetime import timedelta
+
+    from megamu.runtime import parallel
+
+    monkeypatch.setattr(parallel, "_collective_timeout", None)
+    gb = 47_500_000_000  # a 30B-A3B checkpoint's ~380 GB over 8 ranks
+    assert parallel.save_timeout(gb) == timedelta(minutes=10) + timedelta(seconds=gb / 50e6)  # 10 + 15.8 min
+    monkeypatch.setattr(parallel, "_collective_timeout", timedelta(hours=2))
+    assert parallel.save_timeout(gb) == timedelta(hours=2)
+
+
 def test_the_short_timeout_really_applies_to_plain_barriers(tmp_path):
     with pytest.raises(AssertionError, match="failed") as failure:  # the control: same wait through the default group
         run_torchrun(WAIT_WORKER, 2, "barrier", str(tmp_path), timeout=120)

@@ -8,11 +8,13 @@ Run with no flags for the CPU demo; rerun the same command to resume.
 
 import os
 import warnings
+from contextlib import nullcontext
 
 import torch
 
 from megamu.arguments import check_memory, parse_args
 from megamu.memory.memory_plan import plan_memory
+from megamu.run.run_lock import RunDirLocked, RunLock
 from megamu.runtime import parallel
 
 # megatron-core announces its fallbacks when Apex/TE are absent (always, on CPU); they are expected, not actionable.
@@ -31,6 +33,17 @@ def main(argv=None) -> None:
         check_memory(memory)  # a plan that cannot fit the device stops here, naming the line that overflows
     if cfg.dry_run:
         return
+    # one run per --save: a second launch on it stops here, before it writes anything (rank 0 holds the lock)
+    try:
+        with RunLock(cfg.save) if os.environ.get("RANK", "0") == "0" else nullcontext() as lock:
+            if lock and lock.taken_over:
+                print(f"--save {cfg.save}: took over the lock of a run that is gone ({lock.taken_over})", flush=True)
+            train(cfg)
+    except RunDirLocked as e:
+        raise SystemExit(str(e)) from None
+
+
+def train(cfg) -> None:
     if cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)  # CPU async: the engine process has the other cores
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -84,15 +84,16 @@ def _band(ax, groups: dict, value, colour: str, label: str) -> None:
     """Seed mean (line) and the seeds' range (band) of ``value(run) -> (xs, ys)`` over one method's runs."""
     import statistics
 
-    curves = [value(r) for r in groups]
-    xs = curves[0][0]
-    ys = [[c[1][i] for c in curves if i < len(c[1]) and math.isfinite(c[1][i])] for i in range(len(xs))]
-    keep = [i for i, y in enumerate(ys) if y]
-    mean = [statistics.fmean(ys[i]) for i in keep]
-    ax.plot([xs[i] for i in keep], mean, color=colour, label=label, linewidth=1.3)
-    if len(curves) > 1:
-        ax.fill_between([xs[i] for i in keep], [min(ys[i]) for i in keep], [max(ys[i]) for i in keep],
-                        color=colour, alpha=0.2, linewidth=0)
+    at: dict = {}  # x -> the seeds' values there (aligned by update: seeds may be evaluated at other spacings)
+    for xs, ys in (value(r) for r in groups):
+        for x, y in zip(xs, ys):
+            if math.isfinite(y):
+                at.setdefault(x, []).append(y)
+    xs = sorted(at)
+    ax.plot(xs, [statistics.fmean(at[x]) for x in xs], color=colour, label=label, linewidth=1.3)
+    if len(groups) > 1:
+        ax.fill_between(xs, [min(at[x]) for x in xs], [max(at[x]) for x in xs], color=colour, alpha=0.2,
+                        linewidth=0)
 
 
 def seed_mean_panels(by_method: dict[str, list], path: Path, title: str) -> bool:
@@ -136,6 +137,33 @@ def seed_mean_panels(by_method: dict[str, list], path: Path, title: str) -> bool
     axes[3].axhline(REFERENCE_TAU, color="grey", linewidth=0.6, linestyle="--")
     axes[0].legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return True
+
+
+def staleness_curve(points: dict[str, dict[int, list]], path: Path, title: str) -> bool:
+    """Last-stage mean against μ per stage (log axis), one line per rule through the seeds' means, each seed a dot."""
+    import statistics
+
+    from fidelity_curves import last_stage_mean
+
+    if not any(rs for per_mu in points.values() for rs in per_mu.values()):
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (rule, per_mu) in enumerate(points.items()):
+        mus = sorted(m for m, rs in per_mu.items() if rs)
+        vals = {m: [last_stage_mean(r) for r in per_mu[m]] for m in mus}
+        ax.plot(mus, [statistics.fmean(vals[m]) for m in mus], color=f"C{i}", marker="o", label=rule)
+        for m in mus:
+            ax.scatter([m] * len(vals[m]), vals[m], color=f"C{i}", s=10, alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("μ: updates per stage (staleness)", fontsize=8)
+    ax.set_ylabel("last-stage mean, sampled pass@1", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)

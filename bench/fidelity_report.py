@@ -17,6 +17,7 @@ from pathlib import Path
 
 import fidelity_plan as plan
 import fidelity_round2 as r2
+import fidelity_round3 as r3
 from fidelity_plan import collapsed, holds_peak, learned, se
 
 LATE_FALLS, LATE_NEAR = 0.8, (0.8, 1.25)
@@ -221,6 +222,7 @@ def write_report(a, runs: list) -> None:
             out += [f"![other runs]({fig_dir.name}/other.png)", ""]
     if two is not a:
         out += r2.round_two(runs, two.lab, fig_dir, fig_dir.name)
+        out += r3.round_three(runs, two.lab, fig_dir, fig_dir.name)
     other = [r for r in runs if r.lab_model not in (a.lab, two.lab)]
     if other:
         out += [f"{len(other)} summaries in the folder are from another lab model or task and are not used.", ""]
@@ -242,12 +244,15 @@ HISTORY = (
 
 
 def reading_first(a) -> list[str]:
-    """The hand-written reading of round two (reading2.md beside the summaries), first: the verdict in its first
-    lines (issue 42)."""
-    path = a.summaries.parent / "reading2.md"
-    if not path.exists():
-        return []
-    return [f"## Reading first (hand-written: `{_rel(path)}`)", "", path.read_text().strip(), ""]
+    """The hand-written readings of rounds three and two (reading3.md, reading2.md beside the summaries), first:
+    what a user should take away in the report's first lines (issues 42, 51)."""
+    out = []
+    for name, title in (("reading3.md", "What to take away (round three, hand-written"),
+                        ("reading2.md", "Round two's reading, re-read (hand-written")):
+        path = a.summaries.parent / name
+        if path.exists():
+            out += [f"## {title}: `{_rel(path)}`)", "", path.read_text().strip(), ""]
+    return out
 
 
 def round_one_view(a):

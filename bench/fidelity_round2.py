@@ -11,6 +11,7 @@ import statistics
 import fidelity_curves as cv
 import fidelity_figures as figs
 import fidelity_plan as plan
+import fidelity_stats as st
 
 # The paper's effect sizes, from its text (§5.1-5.2, App. C.1 and C.3), beside each comparison the lab makes.
 PAPER = {
@@ -26,6 +27,9 @@ PAPER = {
 TABLE5 = ("Qwen2.5-Math-7B 15.24 % in stage 0, < 0.4 % after; Qwen3-1.7B-Base 7.07 %, < 0.5 % after; "
           "DeepSeek-7B < 0.7 % in every stage (vetoed tokens / all tokens of the batch)")
 FRACTIONS = (0.5, 0.75, 0.9)
+# Round one's and two's comparisons re-read (issue 51) with a two-sided 95 % t interval: the t analogue of the
+# "2 SE" they were registered with.
+REREAD_CONFIDENCE = 0.95
 
 
 def _f(x, spec: str = ".3f") -> str:
@@ -60,30 +64,19 @@ def by_method(runs: list) -> dict[str, list]:
     return out
 
 
-def diff_line(name: str, xs: list, ys: list, paper: str = "") -> str:
-    """Paired per-seed differences of last-stage mean and area, their mean, and 2 SE of a one-run difference of
-    last-stage means (sampling noise of the window's evaluations)."""
+def diff_line(name: str, xs: list, ys: list, paper: str = "", confidence: float = REREAD_CONFIDENCE) -> str:
+    """Paired per-seed differences of last-stage mean and area, with a t interval over the seeds (n - 1 degrees of
+    freedom; fidelity_stats): "above" / "below" where the whole interval is, else "inconclusive" (always with one
+    seed). Issue 51 re-read round two this way: its "2 SE" had been the evaluation's sampling noise alone for one
+    seed and |d1 - d2| / sqrt(2) for two, both narrower than the seed-to-seed spread."""
     if not xs or not ys:
         return f"- {name}: runs missing."
-    ls = cv.paired(xs, ys, cv.last_stage_mean)
-    ar = cv.paired(xs, ys, cv.area)
-    if not ls:
-        ls = [(0, _mean(map(cv.last_stage_mean, xs)) - _mean(map(cv.last_stage_mean, ys)))]
-        ar = [(0, _mean(map(cv.area, xs)) - _mean(map(cv.area, ys)))]
-        how = "unpaired seed means"
-    else:
-        how = "paired seeds " + ", ".join(f"s{s} {d:+.3f}" for s, d in ls)
-    x0 = xs[0]
-    se1 = cv.se_window(_mean(map(cv.last_stage_mean, xs + ys)), x0, cv.last_window_evals(x0))
-    # the larger of the evaluation's sampling noise and the seeds' spread of the paired differences (one seed: the
-    # sampling noise alone, which leaves out run-to-run variation: read a one-seed verdict as provisional)
-    two_se = 2 * math.sqrt(2) * se1 / math.sqrt(max(len(ls), 1))
-    if len(ls) > 1:
-        two_se = max(two_se, 2 * statistics.stdev(d for _, d in ls) / math.sqrt(len(ls)))
-    mean_ls, mean_ar = _mean(d for _, d in ls), _mean(d for _, d in ar)
-    verdict = "above" if mean_ls > two_se else "below" if mean_ls < -two_se else "within 2 SE"
-    return (f"- {name}: last-stage mean {mean_ls:+.3f} ({how}; 2 SE {two_se:.3f}: **{verdict}**), area "
-            f"{mean_ar:+.3f}" + (f". Paper: {paper}." if paper else "."))
+    ls = st.paired_interval(xs, ys, cv.last_stage_mean, confidence)
+    if not ls.n:
+        return f"- {name}: no seed in common (unpaired: not read)."
+    ar = st.paired_interval(xs, ys, cv.area, confidence)
+    return (f"- {name}: last-stage mean {ls.text()}: **{ls.against()}**; area {ar.mean:+.3f}"
+            + (f". Paper: {paper}." if paper else "."))
 
 
 def round_one_reading(runs: list, lr: float, mu: int, low_mu: int, updates: int, fig_dir, rel: str) -> list[str]:

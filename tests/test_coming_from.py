@@ -76,15 +76,19 @@ def test_the_pages_launches_pass_the_dry_run_and_fit_eight_h200(name, tmp_path, 
     totals = phase_totals(out)
     assert {"training", "rollout (colocated)", "push (colocated refresh)"} <= set(totals)
     assert all(t.endswith("fits") for t in totals.values()), totals
+    if name.startswith("slime"):  # slime's script as written: slime's GRPO, in bf16
+        assert "without --algorithm -> --algorithm grpo: slime's GRPO, ratio clipped to [0.8, 1.28]" in out
+        assert "note: precision: bf16, as slime trains unless told --fp16" in out
 
 
 def test_slimes_flags_are_the_scripts_own(tmp_path):
-    """The megamu command is slime's train.py flags as written (plus --bf16): the flags of scripts/run-qwen3-4B.sh
-    and scripts/models/qwen3-4B.sh (THUDM/slime 624b824), in the script's order."""
+    """The megamu command is slime's train.py flags as written, nothing added (bf16 and slime's GRPO are what they
+    mean there): the flags of scripts/run-qwen3-4B.sh and scripts/models/qwen3-4B.sh (THUDM/slime 624b824), in the
+    script's order."""
     page = blocks()
     slime = after(words(page["source 1"]), "train.py")
     megamu = after(words(page["slime Qwen3-4B"]), "pretrain_mu_grpo.py")
-    assert megamu == [*slime, "--bf16"]
+    assert megamu == slime
     assert slime[:3] == ["--actor-num-nodes", "1", "--actor-num-gpus-per-node"] and "--qk-layernorm" in slime
 
 

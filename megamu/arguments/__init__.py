@@ -34,6 +34,7 @@ from megamu.arguments.slime import (
     check_expert_tensor_parallel,
     convert_intervals,
     dynamic_micro_batch,
+    resolve_precision,
     translate_slime_arguments,
 )
 from megamu.config.loop_config import AsyncConfig
@@ -99,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-batch-size", type=int, default=None,
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
     add_fields(g, StagedPlan, ["n_samples_per_prompt"])
-    g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default=DEFAULT_ALGORITHM)
+    g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default=None,
+                   help=f"default {DEFAULT_ALGORITHM}; grpo for a launch giving slime's --advantage-estimator or "
+                        "--eps-clip without it (slime's GRPO)")
     add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
                choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
@@ -210,7 +213,8 @@ def check_device(args: argparse.Namespace, device: Device) -> None:
                    "(drop --bf16 here)")
         if not args.dry_run:
             _error("--bf16", message)
-        print(f"warning: --bf16: {message} (ignored by --dry-run: the plan is for a GPU machine)", flush=True)
+        if not getattr(args, "bf16_by_default", False):  # a slime launch's bf16: said by its note
+            print(f"warning: --bf16: {message} (ignored by --dry-run: the plan is for a GPU machine)", flush=True)
     if args.transformer_impl == "transformer_engine" and not device.is_cuda and not args.dry_run:
         _error("--transformer-impl", "transformer_engine needs a GPU; use local on CPU")
 
@@ -248,6 +252,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     device = device or Device.detect()
     notes = translate_slime_arguments(args)  # before any check: the checks read megamu's flags
     notes += resolve_defaults(args, device)
+    notes += resolve_precision(args, device)
     resolve_hf_checkpoint(args)
     check_inputs(args, device)
     config = hf_config(args)
@@ -283,5 +288,5 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
     if os.environ.get("RANK", "0") == "0":
         for line in notes + servers_note(run, args.sglang_num_servers) + announcements(run, args.interval_unit):
-            print(f"note: {line}", flush=True)
+            print(line if line.startswith("warning: ") else f"note: {line}", flush=True)
     return run

@@ -14,9 +14,10 @@ from megamu.config_fields import FlagSpec, flag_spec
 
 # The update rule's overrides of its preset (None: the preset's value).
 ALGO_FLAGS = {
-    # slime's --eps-clip / --eps-clip-high: the same range, ratio in [1 - clip_low, 1 + clip_high]
-    "clip_low": FlagSpec(("--clip-low", "--eps-clip"), None, {"type": float, "default": None}),
-    "clip_high": FlagSpec(("--clip-high", "--eps-clip-high"), None, {"type": float, "default": None}),
+    # ratio in [1 - clip_low, 1 + clip_high]; slime's --eps-clip / --eps-clip-high set them with slime's meaning
+    # (megamu.arguments.slime: --eps-clip alone sets both, and a launch without --algorithm runs slime's GRPO)
+    "clip_low": FlagSpec(("--clip-low",), None, {"type": float, "default": None}),
+    "clip_high": FlagSpec(("--clip-high",), None, {"type": float, "default": None}),
     "veto_threshold": FlagSpec(("--nav-threshold",), "τ of the negative-advantage veto",
                                {"type": float, "default": None}),
     "veto_scope": FlagSpec(("--nav-scope",), None, {"choices": None, "default": None}),  # choices: VETO_SCOPES

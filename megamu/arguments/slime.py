@@ -3,7 +3,9 @@
 does what it asks, or refused naming megamu's equivalent. The translation is printed at start, one line per flag.
 
 Flags that share slime's name and meaning live with megamu's own (``--rollout-batch-size``, ``--input-key``,
-``--label-key``, ``--apply-chat-template``, ``--eval-prompt-data``, ``--eps-clip``, ...). ``--save-interval`` and
+``--label-key``, ``--apply-chat-template``, ``--eval-prompt-data``, ...). slime's policy-loss flags mean what they mean
+in slime: a launch giving ``--advantage-estimator`` or ``--eps-clip`` without ``--algorithm`` runs slime's GRPO, and a
+launch in slime's terms trains in bf16 as slime does (``resolve_precision``). ``--save-interval`` and
 ``--eval-interval`` count rollouts in slime and updates in megamu (Megatron-LM's iterations): see ``convert_intervals``.
 """
 
@@ -12,7 +14,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from megamu.algo.presets import PRESETS
 from megamu.arguments.engine import _default, _error
+from megamu.config.run_config import DEFAULT_ALGORITHM
+from megamu.runtime.device import Device
 from megamu.training.policy import PolicyConfig
 
 DEEPSCALER_REWARD_FN = "megamu.reward.math:deepscaler_score"
@@ -23,6 +28,13 @@ INTERVAL_FLAGS = (("--save-interval", "save_interval"), ("--eval-interval", "eva
                   ("--hf-export-interval", "hf_export_interval"))
 # slime's names for the run's shape: a launch using them counts its intervals in rollouts (slime's train.py)
 SLIME_SHAPE = ("rollout_batch_size", "num_rollout", "num_steps_per_rollout")
+# slime's policy-loss flags (slime/utils/arguments.py:899-900, :941 at 624b824): given without --algorithm, the
+# launch means slime's GRPO
+SLIME_ALGORITHM = ("advantage_estimator", "eps_clip", "eps_clip_high")
+# flags only a slime launch gives (verl's translation shares --rollout-batch-size, so it is not one of them)
+SLIME_LAUNCH = ("actor_num_nodes", "actor_num_gpus_per_node", "colocate", "rollout_num_gpus_per_engine",
+                "num_rollout", "num_steps_per_rollout", "use_dynamic_batch_size", "rm_type", "optimizer",
+                *SLIME_ALGORITHM)
 
 
 def add_slime_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,8 +64,14 @@ def add_slime_arguments(p: argparse.ArgumentParser) -> None:
                                                      "decay, Megatron-LM's 'adam')")
     g.add_argument("--rm-type", default=None, help=f"{', '.join(f'{k}: {v[0]}' for k, v in RM_TYPES.items())}; "
                                                    "others: --custom-rm-path")
-    g.add_argument("--advantage-estimator", default=None, help="grpo only: every --algorithm uses GRPO's group "
-                                                               "advantages")
+    g.add_argument("--advantage-estimator", default=None, help="grpo only (every --algorithm uses GRPO's group "
+                                                               "advantages); without --algorithm: --algorithm grpo")
+    g.add_argument("--eps-clip", type=float, default=None,
+                   help="slime's PPO clip: --clip-low, and --clip-high too unless --eps-clip-high is given (slime's "
+                        "rule); without --algorithm: --algorithm grpo (slime's GRPO, no veto)")
+    g.add_argument("--eps-clip-high", type=float, default=None, help="--clip-high")
+    g.add_argument("--fp16", action="store_true",
+                   help="refused: megamu trains in bf16 (a slime launch's default on GPUs) or fp32, never fp16")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="megamu splits each expert over the tensor-parallel ranks: --tensor-model-parallel-size (any "
                         "value for a dense model, which has no experts)")
@@ -84,6 +102,7 @@ def _set(args: argparse.Namespace, notes: list[str], slime: str, dest: str, valu
 def translate_slime_arguments(args: argparse.Namespace) -> list[str]:
     """Rewrite slime's flags into megamu's in ``args``; returns the lines to print. Run before any other check."""
     notes: list[str] = []
+    _algorithm(args, notes)
     if args.colocate:
         _set(args, notes, "--colocate", "rollout_mode", "colocated", "--rollout-mode colocated")
     if args.rollout_num_gpus_per_engine is not None:
@@ -115,6 +134,57 @@ def translate_slime_arguments(args: argparse.Namespace) -> list[str]:
         if on:
             notes.append(f"{flag}: accepted ({'no effect: speed only' if flag == '--balance-data' else 'always so'})")
     return notes
+
+
+def _algorithm(args: argparse.Namespace, notes: list[str]) -> None:
+    """slime's --eps-clip / --eps-clip-high are its PPO clip range, and --eps-clip-high defaults to --eps-clip
+    (slime/utils/arguments.py:1876-1877); its --advantage-estimator grpo (the default, :941) runs GRPO with that clip
+    and nothing else. So a launch giving them without --algorithm runs megamu's grpo preset with that range, never
+    μ-GRPO's veto under slime's clip; the note says how to run μ-GRPO. μ-GRPO with a clip given is warned about:
+    its relaxed clip [0, 5] is replaced."""
+    given = [f"--{d.replace('_', '-')}" for d in SLIME_ALGORITHM if getattr(args, d) is not None]
+    if args.eps_clip is not None:
+        _set(args, [], "--eps-clip", "clip_low", args.eps_clip, f"--clip-low {args.eps_clip}")
+        if args.eps_clip_high is None and args.clip_high is None:
+            args.clip_high = args.eps_clip  # slime: eps_clip_high = eps_clip when not given
+    if args.eps_clip_high is not None:
+        _set(args, [], "--eps-clip-high", "clip_high", args.eps_clip_high, f"--clip-high {args.eps_clip_high}")
+    preset = PRESETS[args.algorithm or ("grpo" if given else DEFAULT_ALGORITHM)]
+    low = 1 - (preset["clip_low"] if args.clip_low is None else args.clip_low)
+    high = preset["clip_high"] if args.clip_high is None else args.clip_high
+    clip = f"[{low:g}, {'none' if high is None else f'{1 + high:g}'}]"
+    if args.algorithm is None and given:
+        args.algorithm = "grpo"
+        notes.append(f"{', '.join(given)} without --algorithm -> --algorithm grpo: slime's GRPO, ratio clipped to "
+                     f"{clip}, no negative-advantage veto. For μ-GRPO (relaxed clip [0, 5] and the veto): "
+                     "--algorithm mu-grpo without --eps-clip/--eps-clip-high")
+    args.algorithm = args.algorithm or DEFAULT_ALGORITHM
+    if args.algorithm == "mu-grpo" and (args.clip_low is not None or args.clip_high is not None):
+        flags = "--eps-clip/--eps-clip-high" if args.eps_clip is not None or args.eps_clip_high is not None \
+            else "--clip-low/--clip-high"
+        notes.append(f"warning: {flags} replace μ-GRPO's relaxed clip [0, 5] by {clip} (the negative-advantage veto "
+                     f"stays on): drop them for the paper's μ-GRPO, or give --algorithm grpo for slime's GRPO")
+
+
+def is_slime_launch(args: argparse.Namespace) -> bool:
+    """A launch written in slime's terms (a flag only slime's launches give)."""
+    return any(getattr(args, d) not in (None, False) for d in SLIME_LAUNCH)
+
+
+def resolve_precision(args: argparse.Namespace, device: Device) -> list[str]:
+    """slime trains in bf16 unless told --fp16 (slime/backends/megatron_utils/arguments.py:157, ``args.bf16 = not
+    args.fp16``): a slime launch on GPUs, or a dry run planning for them, does too; megamu's own default is fp32, said
+    at start for a GPU run. A CPU run trains in fp32 (the CPU optimiser keeps no fp32 master weights)."""
+    if args.fp16:
+        _error("--fp16", "megamu trains in bf16 (a slime launch's default on GPUs: drop --fp16) or fp32, never fp16")
+    if args.bf16:
+        return []
+    if is_slime_launch(args) and (device.is_cuda or args.dry_run):
+        args.bf16 = args.bf16_by_default = True
+        return ["precision: bf16, as slime trains unless told --fp16 (megamu's own default is fp32)"]
+    if device.is_cuda or args.transformer_impl == "transformer_engine":
+        return ["precision: fp32 (megamu's default, engine float32 too); slime and verl train in bf16: --bf16"]
+    return []
 
 
 def _dynamic_batch(args: argparse.Namespace, notes: list[str]) -> None:

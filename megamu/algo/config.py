@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from megamu.algo.dapo import FILTER_METRICS
 from megamu.algo.kl import KL_TYPES
 from megamu.algo.presets import PRESETS
 from megamu.algo.veto import VETO_SCOPES
@@ -20,7 +21,8 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 class AlgoConfig:
     """Everything ``policy_loss`` needs to know about the update rule (Eq. 2 and J_μ-GRPO of §4).
 
-    Ratio clip range [1 - clip_low, 1 + clip_high] (``clip_high=None``: no upper bound); the negative-advantage veto
+    Ratio clip range [1 - clip_low, 1 + clip_high] (``clip_high=None``: no upper bound); ``clip_ratio_c``: dual-clip's
+    bound c > 1 for A < 0 tokens (None: off; see ``policy_loss``); the negative-advantage veto
     with threshold τ = ``veto_threshold`` (None: off) and ``veto_scope`` (§3.3, App. C.2); ``aggregation`` of the
     per-token loss; ``m2po_threshold``: M2PO's second-moment mask (None: off).
 
@@ -29,9 +31,11 @@ class AlgoConfig:
     the policy's entropy subtracted (an entropy bonus). Both aggregated like the policy loss.
 
     DAPO's rollout-side parts (megamu.algo.dapo), applied where a stage's groups are scored: ``overlong_buffer``
-    (tokens; None: off) and ``overlong_penalty_factor`` of the soft overlong punishment; ``dynamic_sampling``: groups
-    whose rewards are all equal are dropped and the stage refilled with new prompts' groups, in at most
-    ``max_sampling_rounds`` generation rounds (verl's max_num_gen_batches).
+    (tokens; None or 0: off) and ``overlong_penalty_factor`` of the soft overlong punishment; ``dynamic_sampling``:
+    groups whose ``filter_metric`` values are all equal are dropped and the stage refilled with new prompts' groups,
+    ``sampling_round_prompts`` prompts per generation round (verl's data.gen_batch_size; None: the stage's B_train),
+    in at most ``max_sampling_rounds`` rounds (verl's max_num_gen_batches; 0: no limit). A stage still short after
+    them is an error, as in verl, unless ``fill_short_stage``: then equal-valued groups fill it.
 
     ``name`` is one of the presets' and the rule's own settings have no defaults: ``AlgoConfig.preset`` is the way to
     build one, so a config named for a method is that method (plus the overrides it states)."""
@@ -43,6 +47,7 @@ class AlgoConfig:
     veto_scope: str
     aggregation: str
     m2po_threshold: float | None
+    clip_ratio_c: float | None = None
     use_kl_loss: bool = False
     kl_coef: float = 0.0
     kl_type: str = "k1"  # slime's default for --kl-loss-type
@@ -51,6 +56,9 @@ class AlgoConfig:
     overlong_penalty_factor: float = 1.0
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 10
+    filter_metric: str = "seq_reward"
+    sampling_round_prompts: int | None = None
+    fill_short_stage: bool = False
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> AlgoConfig:
@@ -66,6 +74,8 @@ class AlgoConfig:
             raise ConfigError("clip_low", f"must be in [0, 1] (ratio lower bound 1 - clip_low), got {self.clip_low}")
         if self.clip_high is not None and self.clip_high < 0:
             raise ConfigError("clip_high", f"must be >= 0, got {self.clip_high}")
+        if self.clip_ratio_c is not None and not (math.isfinite(self.clip_ratio_c) and self.clip_ratio_c > 1.0):
+            raise ConfigError("clip_ratio_c", f"must be > 1 (dual-clip bounds -ρA by c|A|), got {self.clip_ratio_c}")
         if self.veto_threshold is not None and not 0.0 < self.veto_threshold < 1.0:
             raise ConfigError("veto_threshold", f"must be in (0, 1), got {self.veto_threshold}")
         if self.veto_scope not in VETO_SCOPES:
@@ -82,12 +92,16 @@ class AlgoConfig:
             raise ConfigError("kl_coef", f"{self.kl_coef} has no effect without the KL loss: add --use-kl-loss")
         if not math.isfinite(self.entropy_coef):
             raise ConfigError("entropy_coef", f"must be finite, got {self.entropy_coef}")
-        if self.overlong_buffer is not None and self.overlong_buffer < 1:
-            raise ConfigError("overlong_buffer", f"must be >= 1 token (or off), got {self.overlong_buffer}")
+        if self.overlong_buffer is not None and self.overlong_buffer < 0:
+            raise ConfigError("overlong_buffer", f"must be >= 1 token (or 0: off), got {self.overlong_buffer}")
         if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
             raise ConfigError("overlong_penalty_factor", f"must be >= 0, got {self.overlong_penalty_factor}")
-        if self.max_sampling_rounds < 1:
-            raise ConfigError("max_sampling_rounds", f"must be >= 1, got {self.max_sampling_rounds}")
+        if self.max_sampling_rounds < 0:
+            raise ConfigError("max_sampling_rounds", f"must be >= 1 (or 0: no limit), got {self.max_sampling_rounds}")
+        if self.filter_metric not in FILTER_METRICS:
+            raise ConfigError("filter_metric", f"must be one of {FILTER_METRICS}, got {self.filter_metric!r}")
+        if self.sampling_round_prompts is not None and self.sampling_round_prompts < 1:
+            raise ConfigError("sampling_round_prompts", f"must be >= 1, got {self.sampling_round_prompts}")
 
     @property
     def uses_reference(self) -> bool:

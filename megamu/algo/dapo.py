@@ -29,6 +29,23 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
     return torch.where(length > max_len, torch.full_like(length, -factor), penalty)
 
 
+# What dynamic sampling compares within a group: verl's algorithm.filter_groups.metric (recipe/dapo/dapo_ray_trainer.py
+# ``fit``): "acc", the reward function's own score (verl: its "acc" extra, correctness), or "seq_reward", the reward
+# trained on (the score plus the overlong penalty; verl's token_level_scores summed)
+FILTER_METRICS = ("acc", "seq_reward")
+
+
+def filter_values(rewards: torch.Tensor, penalties: torch.Tensor, metric: str) -> torch.Tensor:
+    """The values of ``metric`` (FILTER_METRICS) for rewards [n_groups, G] that carry the overlong ``penalties``
+    (same shape; zeros without the punishment). "acc" takes the penalty off again, rounded to 1e-9 so that a score
+    r compares equal to (r + p) − p; "seq_reward" is the reward as trained on."""
+    if metric == "seq_reward":
+        return rewards
+    if metric == "acc":
+        return torch.round((rewards - penalties) * 1e9) / 1e9
+    raise ValueError(f"unknown filter metric {metric!r}; expected one of {FILTER_METRICS}")
+
+
 def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
     """DAPO's dynamic sampling filter (§3.2, Eq. 11: 0 < |{o_i correct}| < G): bool [n_groups], True where a group's
     rewards are not all equal, i.e. its Eq. 1 advantages are not all zero. Generalised from accuracy to any reward as

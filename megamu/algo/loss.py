@@ -68,11 +68,14 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The negated clipped surrogate −J, plus the regularisers ``algo`` turns on, and its diagnostics.
 
-    ρ_t = exp(logp − behaviour_logp); per token −min(ρ_t A, clip(ρ_t, 1 − clip_low, 1 + clip_high) A) (Eq. 2), with
-    A the response's advantage [B] and every setting from ``algo``. GRPO: clip_low = clip_high = 0.2. μ-GRPO:
-    clip_low = 1, clip_high = 4 (range [0, 5]) plus the negative-advantage veto (τ = 1e-4, see ``veto_mask``); under
-    that range an A < 0 token with ρ ∈ (0, 5) has ∂loss/∂logπ = |A| ρ (§3.2). ``clip_high=None`` removes the upper
-    bound; ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without gradient.
+    ρ_t = exp(logp − behaviour_logp); per token −min(ρ_t A, clip(ρ_t, 1 − clip_low, 1 + clip_high) A) (Eq. 2), with A
+    the response's advantage [B] and every setting from ``algo``. ``clip_ratio_c`` = c adds dual-clip (Ye et al. 2020,
+    arXiv 1912.09729, as verl's ``compute_policy_loss_vanilla`` and slime's ``--eps-clip-c``): for A < 0 the token's
+    loss is min(c·|A|, −min(ρ_t A, clip(ρ_t) A)), so a token whose ratio exceeds c has no gradient. GRPO: clip_low =
+    clip_high = 0.2. μ-GRPO: clip_low = 1, clip_high = 4 (range [0, 5]) plus the negative-advantage veto (τ = 1e-4, see
+    ``veto_mask``); under that range an A < 0 token with ρ ∈ (0, 5) has ∂loss/∂logπ = |A| ρ (§3.2). ``clip_high=None``
+    removes the upper bound; ``m2po_threshold`` enables the M2PO mask (see ``m2po_mask``). Masks are computed without
+    gradient.
 
     loss = pg_loss + kl_coef x agg(kl(logp, ref_logp)) − entropy_coef x agg(entropy), every term aggregated over all
     response tokens with ``algo.aggregation`` (veto and clip act on the surrogate only), as slime's
@@ -81,12 +84,12 @@ def policy_loss(
     per-token entropy (needed when ``algo.entropy_coef`` != 0; differentiable for the bonus to train).
 
     Returns (loss, stats); stats are detached floats: clip_fraction (response tokens whose clipped branch is active,
-    i.e. zero gradient), veto_token_fraction, veto_sequence_fraction, m2po_mask_fraction, ratio_mean,
-    ratio_neg_adv_mean (E[ρ | A < 0], the collapse signal of §3.2, NaN when no A < 0 token), log_ratio_min,
-    approx_kl (k3 estimate of KL(β ‖ π_θ) on β's samples: E[ρ − 1 − log ρ]), the loss's terms pg_loss, kl_loss (when
-    ``ref_logp`` is given) and entropy_loss (agg(entropy), when ``entropy`` is given), each as aggregated (weighted
-    like the loss across micro-batches), and the counts n_tokens, n_sequences, n_neg_adv_tokens that callers need to
-    average stats over micro-batches.
+    i.e. zero gradient), dual_clip_fraction (A < 0 tokens with ρ > c: dual-clip's bound active, 0 when off),
+    veto_token_fraction, veto_sequence_fraction, m2po_mask_fraction, ratio_mean, ratio_neg_adv_mean (E[ρ | A < 0], the
+    collapse signal of §3.2, NaN when no A < 0 token), log_ratio_min, approx_kl (k3 estimate of KL(β ‖ π_θ) on β's
+    samples: E[ρ − 1 − log ρ]), the loss's terms pg_loss, kl_loss (when ``ref_logp`` is given) and entropy_loss
+    (agg(entropy), when ``entropy`` is given), each as aggregated (weighted like the loss across micro-batches), and the
+    counts n_tokens, n_sequences, n_neg_adv_tokens that callers need to average stats over micro-batches.
     """
     if algo.uses_reference and ref_logp is None:
         raise ValueError(f"algorithm {algo.name!r} has a KL term (kl_coef={algo.kl_coef}): policy_loss needs ref_logp")
@@ -101,6 +104,8 @@ def policy_loss(
     low = 1.0 - algo.clip_low
     high = float("inf") if algo.clip_high is None else 1.0 + algo.clip_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+    if algo.clip_ratio_c is not None:  # dual-clip: an A < 0 token's surrogate is at least c·A
+        surrogate = torch.where(adv < 0, torch.maximum(surrogate, algo.clip_ratio_c * adv), surrogate)
 
     keep = veto_mask(log_ratio, advantages, mask, algo.veto_threshold, algo.veto_scope) \
         if algo.veto_threshold else mask.clone()
@@ -128,9 +133,12 @@ def policy_loss(
         seq_has_tokens = mask.any(dim=1)
         neg = mask & (adv < 0)
         clipped = mask & (((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0)))
+        dual = mask & (adv < 0) & (ratio > algo.clip_ratio_c) if algo.clip_ratio_c is not None \
+            else torch.zeros_like(mask)
         vetoed = mask & ~after_veto
         stats = {
             "clip_fraction": float(clipped.sum()) / denom,
+            "dual_clip_fraction": float(dual.sum()) / denom,
             "veto_token_fraction": float(vetoed.sum()) / denom,
             "veto_sequence_fraction": float(vetoed.any(dim=1).sum()) / max(int(seq_has_tokens.sum()), 1),
             "m2po_mask_fraction": float((after_veto & ~keep).sum()) / denom,

@@ -24,11 +24,13 @@ _SETTINGS: dict[str, dict[str, Any]] = {
     "grpo-relaxed": {**_GRPO, "clip_low": 1.0, "clip_high": 4.0},
     # M2PO: no ratio clip, second-moment mask at the recommended 0.04 (§5, App. B.1).
     "m2po": {**_GRPO, "clip_low": 1.0, "clip_high": None, "m2po_threshold": 0.04},
-    # DAPO (arXiv 2503.14476 §3, Table 1's run; verl recipe/dapo/run_dapo_qwen2.5_32b.sh): clip-higher ε_low 0.2,
-    # ε_high 0.28; token-level loss; soft overlong punishment with a 4096-token buffer (of a 20480-token limit),
-    # factor 1; dynamic sampling, at most 10 generation rounds per batch; no KL term, no entropy term.
-    "dapo": {**_GRPO, "clip_high": 0.28, "aggregation": "token-mean", "overlong_buffer": 4096,
-             "overlong_penalty_factor": 1.0, "dynamic_sampling": True, "max_sampling_rounds": 10},
+    # DAPO (arXiv 2503.14476 §3, Table 1's run; verl-recipe dapo/run_dapo_qwen2.5_32b.sh): clip-higher ε_low 0.2,
+    # ε_high 0.28, dual-clip c = 10 (the recipe's clip_ratio_c); token-level loss; soft overlong punishment with a
+    # 4096-token buffer (of a 20480-token limit), factor 1; dynamic sampling on correctness (filter_groups.metric
+    # acc), at most 10 generation rounds per batch; no KL term, no entropy term.
+    "dapo": {**_GRPO, "clip_high": 0.28, "clip_ratio_c": 10.0, "aggregation": "token-mean", "overlong_buffer": 4096,
+             "overlong_penalty_factor": 1.0, "dynamic_sampling": True, "max_sampling_rounds": 10,
+             "filter_metric": "acc"},
 }
 PRESETS: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType(
     {name: MappingProxyType(settings) for name, settings in _SETTINGS.items()})

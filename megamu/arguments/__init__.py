@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
+from megamu.algo.dapo import FILTER_METRICS
 from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, servers_note, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default {DEFAULT_ALGORITHM}; grpo for a launch giving slime's --advantage-estimator or "
                         "--eps-clip without it (slime's GRPO)")
     add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
-               choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES})
+               choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES,
+                        "filter_metric": FILTER_METRICS})
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
     add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 

@@ -35,16 +35,30 @@ ALGO_FLAGS = {
                              {"type": float, "default": None}),
     # DAPO's (verl: reward_model.overlong_buffer.len / penalty_factor, algorithm.filter_groups, max_num_gen_batches)
     "overlong_buffer": FlagSpec(("--overlong-buffer-len",), "DAPO's soft overlong punishment: replies within this "
-                                "many tokens of --rollout-max-response-len lose reward linearly, down to -factor",
+                                "many tokens of --rollout-max-response-len lose reward linearly, down to -factor "
+                                "(0: off, verl's overlong_buffer.enable=False)",
                                 {"type": int, "default": None}),
     "overlong_penalty_factor": FlagSpec(("--overlong-penalty-factor",), None, {"type": float, "default": None}),
     "dynamic_sampling": FlagSpec(("--dynamic-sampling",), "DAPO's dynamic sampling: drop groups whose rewards are "
                                  "all equal and refill the stage with new prompts' groups",
                                  {"action": "optional_bool", "default": None}),
     "max_sampling_rounds": FlagSpec(("--max-sampling-rounds",), "generation rounds per stage with "
-                                    "--dynamic-sampling (the first included); short of groups after them, the "
-                                    "stage keeps dropped ones (its record says how many)",
-                                    {"type": int, "default": None}),
+                                    "--dynamic-sampling (the first included; 0: no limit); short of groups after "
+                                    "them, the run stops as verl's does, or with --fill-short-stage the stage keeps "
+                                    "dropped ones (its record says how many)", {"type": int, "default": None}),
+    "filter_metric": FlagSpec(("--filter-groups-metric",), "what --dynamic-sampling compares within a group "
+                              "(verl's algorithm.filter_groups.metric): acc, the reward function's own score; "
+                              "seq_reward, the reward trained on (with the overlong penalty)",
+                              {"choices": None, "default": None}),  # choices: FILTER_METRICS
+    "sampling_round_prompts": FlagSpec(("--prompts-per-sampling-round",), "prompts generated per dynamic-sampling "
+                                       "round (verl's data.gen_batch_size; default: the stage's B_train); the stage "
+                                       "keeps the first B_train informative groups", {"type": int, "default": None}),
+    "fill_short_stage": FlagSpec(("--fill-short-stage",), "a stage still short of informative groups after "
+                                 "--max-sampling-rounds is filled with equal-valued groups (verl: an error)",
+                                 {"action": "store_true", "default": None}),
+    # dual-clip PPO's bound (verl: actor.clip_ratio_c; slime: --eps-clip-c)
+    "clip_ratio_c": FlagSpec(("--clip-ratio-c", "--eps-clip-c"), "dual-clip: an A < 0 token's loss is at most "
+                             "c x |A| (c > 1; default off)", {"type": float, "default": None}),
 }
 
 

@@ -135,13 +135,20 @@ class RunConfig:
     def _check_dapo(self) -> None:
         """DAPO's rollout-side settings against the rollout they shape (megamu.algo.dapo)."""
         buffer, limit = self.algo.overlong_buffer, self.plan.max_response_len
-        if buffer is not None and buffer >= limit:
+        if buffer and buffer >= limit:
             raise ConfigError("algo.overlong_buffer", f"{buffer} tokens leaves no unpunished length under the "
                               f"response limit of {limit} (--rollout-max-response-len); DAPO used 4096 of 20480")
         if self.algo.dynamic_sampling and self.plan.is_async:
             raise ConfigError("algo.dynamic_sampling", "refills a stage's dataset: staged and colocated modes only")
-        if buffer is not None and self.plan.is_async:
+        if buffer and self.plan.is_async:
             raise ConfigError("algo.overlong_buffer", "shapes a stage's rewards: staged and colocated modes only")
+        per_round = self.algo.sampling_round_prompts
+        if per_round is not None and not self.algo.dynamic_sampling:
+            raise ConfigError("algo.sampling_round_prompts", "sizes dynamic sampling's rounds: needs "
+                              "--dynamic-sampling (without it a stage generates its B_train prompts)")
+        if per_round is not None and per_round < self.plan.prompts_per_stage:
+            raise ConfigError("algo.sampling_round_prompts", f"{per_round} is fewer than the stage's "
+                              f"{self.plan.prompts_per_stage} prompts (B_train): a round holds at least a stage")
 
     def derive(self) -> None:
         """Fill in the fields left None that follow from the run (explicit values stay; a copy of a quantity stored

@@ -110,13 +110,17 @@ class Prompts:
         picked = epoch_stream(len(self.train), self.cfg.seed, stage * per, per)
         return [replace(self.train[i], prompt_id=j) for j, i in enumerate(picked)]
 
-    def for_sampling_round(self, stage: int, round_: int) -> list[PromptRecord]:
-        """Dynamic sampling's generation round ``round_`` of ``stage``: round 0 is the stage's own prompts; a refill
-        round r draws B_train prompts from a shuffle of its own (seeded by the run's seed, the stage and r), so the
-        stages' stream, and with it every later stage, stays what it is. Prompt ids r·B_train + j: each request's
-        seed (derived from the prompt id) differs from every other round's."""
-        if round_ == 0:
-            return self.for_stage(stage)
-        per = self.cfg.prompts_per_stage
-        picked = epoch_stream(len(self.train), f"{self.cfg.seed}/refill/{stage}/{round_}", 0, per)
-        return [replace(self.train[i], prompt_id=round_ * per + j) for j, i in enumerate(picked)]
+    def for_sampling_round(self, stage: int, round_: int, per_round: int | None = None) -> list[PromptRecord]:
+        """Dynamic sampling's generation round ``round_`` of ``stage``, ``per_round`` prompts (verl's
+        data.gen_batch_size; None: B_train). Round 0 is the stage's own B_train prompts, then per_round - B_train
+        drawn from a shuffle of round 0's own; a refill round r draws per_round prompts from a shuffle of its own
+        (seeded by the run's seed, the stage and r), so the stages' stream, and with it every later stage, stays
+        what it is. Prompt ids r·per_round + j: each request's seed (derived from the prompt id) differs from every
+        other round's."""
+        per = per_round or self.cfg.prompts_per_stage
+        if per < self.cfg.prompts_per_stage:
+            raise ValueError(f"a sampling round of {per} prompts is smaller than the stage's "
+                             f"{self.cfg.prompts_per_stage}")
+        own = self.for_stage(stage) if round_ == 0 else []
+        picked = epoch_stream(len(self.train), f"{self.cfg.seed}/refill/{stage}/{round_}", 0, per - len(own))
+        return own + [replace(self.train[i], prompt_id=round_ * per + len(own) + j) for j, i in enumerate(picked)]

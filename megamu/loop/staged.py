@@ -87,15 +87,17 @@ def rollout(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int) -> No
     """D_k: the stage's prompts generated and scored, with DAPO's overlong shaping and dynamic sampling if on."""
     cfg, algo = trainer.cfg, trainer.cfg.algo
     overlong = OverlongShaping(cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor) \
-        if algo.overlong_buffer is not None else None
+        if algo.overlong_buffer else None  # None or 0: off
     kwargs = dict(sampling=sampling(trainer, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
                   tokenizer=trainer.tokenizer, stage=stage, policy_version=trainer.policy.version,
                   groups_per_shard=cfg.rollout.groups_per_shard, shards_per_call=cfg.rollout.shards_per_call,
                   model_path=str(engine.served_folder() or ""), overlong=overlong)
     out = trainer.run_dir.stage_rollouts(stage)
     if algo.dynamic_sampling:
-        run_dynamic_rollout(engine.serving(), lambda r: trainer.prompts.for_sampling_round(stage, r), out,
-                            max_rounds=algo.max_sampling_rounds, **kwargs)
+        per_round = algo.sampling_round_prompts
+        run_dynamic_rollout(engine.serving(), lambda r: trainer.prompts.for_sampling_round(stage, r, per_round), out,
+                            max_rounds=algo.max_sampling_rounds, target=cfg.plan.prompts_per_stage,
+                            metric=algo.filter_metric, fill=algo.fill_short_stage, **kwargs)
     else:
         run_rollout_phase(engine.serving(), trainer.prompts.for_stage(stage), out, **kwargs)
 

@@ -1,14 +1,16 @@
-"""DAPO's dynamic sampling for a stage (arXiv 2503.14476 §3.2): generate, drop the groups whose rewards are all equal
-(their advantages are all zero: no gradient), generate more prompts' groups, until the stage holds its B_train
-informative groups or ``max_rounds`` generation rounds have run (verl's ``max_num_gen_batches``,
-recipe/dapo/dapo_ray_trainer.py ``fit``: it keeps generating batches and concatenating the kept groups until the train
-batch is full; megamu's bound does not raise, see below).
+"""DAPO's dynamic sampling for a stage (arXiv 2503.14476 §3.2): generate, drop the groups whose values of the filter
+metric are all equal (by rewards: their advantages are all zero, no gradient), generate more prompts' groups, until
+the stage holds its B_train informative groups or ``max_rounds`` generation rounds have run (verl's
+``max_num_gen_batches``, 0: no limit; verl-recipe dapo/dapo_ray_trainer.py ``fit``: it keeps generating batches of
+data.gen_batch_size prompts and concatenating the kept groups until the train batch is full, then keeps its first
+train_batch_size groups; past the bound it raises ValueError).
 
 Each round is a complete, resumable rollout phase of its own (``<stage>/sampling/round_r``); the stage's dataset is
 then assembled from the rounds' kept groups in round order, renumbered 0..B_train-1, and its manifest records the
-rounds in ``extra["dynamic_sampling"]``. Short of informative groups after the last round, the stage is filled up with
-dropped groups (zero advantage: they change no update) and says how many (``filled_groups``): μ = B_train / B_mini
-updates still find their minibatches.
+rounds in ``extra["dynamic_sampling"]``. Short of informative groups after the last round, the stage is an error as
+in verl (``ShortStageError``; the rounds stay on disk, so a restart resumes them), or, with ``fill``, it is filled up
+with dropped groups (zero advantage when filtered by reward: they change no update) and says how many
+(``filled_groups``): μ = B_train / B_mini updates still find their minibatches.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megamu.algo.dapo import informative_groups
+from megamu.algo.dapo import filter_values, informative_groups
 from megamu.data.prompts import PromptRecord
 from megamu.engines.types import Engine
 from megamu.rollout.dataset import MANIFEST, StageDataset, StageManifest, combined_mode, read_manifest, write_shard
@@ -29,33 +31,52 @@ from megamu.rollout.phase import finish_stage, run_rollout_phase
 SAMPLING_DIR = "sampling"
 
 
+class ShortStageError(RuntimeError):
+    """Dynamic sampling's rounds ran out before the stage held its informative groups (verl raises here too)."""
+
+
 def run_dynamic_rollout(engine: Engine, prompts_of_round: Callable[[int], list[PromptRecord]], out_dir: str | Path,
-                        *, max_rounds: int, n_samples: int, stage: int, groups_per_shard: int = 16,
+                        *, max_rounds: int, n_samples: int, stage: int, target: int | None = None,
+                        metric: str = "seq_reward", fill: bool = False, groups_per_shard: int = 16,
                         **phase_kwargs) -> StageManifest:
-    """The stage's dataset in ``out_dir``: round r generates ``prompts_of_round(r)`` (round 0: the stage's own
-    B_train prompts), each through ``run_rollout_phase`` (``phase_kwargs``: its other arguments)."""
+    """The stage's dataset in ``out_dir``: round r generates ``prompts_of_round(r)`` (round 0 begins with the stage's
+    own B_train prompts), each through ``run_rollout_phase`` (``phase_kwargs``: its other arguments), until ``target``
+    groups (None: round 0's prompt count) have unequal ``metric`` values (megamu.algo.dapo.FILTER_METRICS) or
+    ``max_rounds`` rounds ran (0: no limit)."""
     out = Path(out_dir)
     if (out / MANIFEST).exists():
         return read_manifest(out)
-    target = len(prompts_of_round(0))
+    target = target or len(prompts_of_round(0))
+    overlong = phase_kwargs.get("overlong")
     kept: list[list] = []
     dropped: list[list] = []
     rounds: list[StageManifest] = []
-    for r in range(max_rounds):
+    r = 0
+    while max_rounds == 0 or r < max_rounds:
         rounds.append(run_rollout_phase(engine, prompts_of_round(r), out / SAMPLING_DIR / f"round_{r}",
                                         n_samples=n_samples, stage=stage, groups_per_shard=groups_per_shard,
                                         **phase_kwargs))
         groups = StageDataset(out / SAMPLING_DIR / f"round_{r}").groups()
-        informative = informative_groups(torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float64))
+        rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float64)
+        penalties = torch.tensor([overlong.penalties([s.response_length for s in g]) for g in groups],
+                                 dtype=torch.float64) if overlong else torch.zeros_like(rewards)
+        informative = informative_groups(filter_values(rewards, penalties, metric))
         for g, keep in zip(groups, informative.tolist()):
             (kept if keep else dropped).append(g)
+        r += 1
         if len(kept) >= target:
             break
+    if len(kept) < target and not fill:
+        raise ShortStageError(
+            f"stage {stage}: dynamic sampling found {len(kept)} of {target} groups with unequal {metric} in "
+            f"{len(rounds)} generation rounds (--max-sampling-rounds {max_rounds}), as verl's max_num_gen_batches "
+            "raises: the data may be too hard or too easy. --max-sampling-rounds 0 keeps generating; "
+            "--fill-short-stage fills the stage with equal-valued groups instead")
     filled = max(0, target - len(kept))
     if filled:
-        print(f"[rollout] stage {stage}: dynamic sampling found {len(kept)} of {target} groups with unequal rewards "
-              f"in {len(rounds)} rounds (--max-sampling-rounds); {filled} groups of equal rewards fill the stage",
-              flush=True)
+        print(f"[rollout] stage {stage}: dynamic sampling found {len(kept)} of {target} groups with unequal {metric} "
+              f"in {len(rounds)} rounds (--max-sampling-rounds); {filled} groups of equal {metric} fill the stage "
+              "(--fill-short-stage)", flush=True)
     chosen = kept[:target] + dropped[:filled]
     chosen = [[replace(s, prompt_id=i) for s in g] for i, g in enumerate(chosen)]
     t_total = sum(m.t_rollout_s for m in rounds)

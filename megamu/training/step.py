@@ -35,7 +35,8 @@ from megamu.training.batch import (
 )
 
 # policy_loss stats that are means over response tokens (re-weighted by token counts across micro-batches and ranks)
-TOKEN_STATS = ("clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ratio_mean", "approx_kl")
+TOKEN_STATS = ("clip_fraction", "dual_clip_fraction", "veto_token_fraction", "m2po_mask_fraction", "ratio_mean",
+               "approx_kl")
 # policy_loss's terms: aggregated like the loss, so weighted like it (exact over the minibatch)
 LOSS_TERMS = ("pg_loss", "kl_loss", "entropy_loss")
 

@@ -141,3 +141,27 @@ def test_finite_for_extreme_log_ratios(batch, preset, aggregation):
     loss, stats, g = run(lr, adv, mask, algo=cfg)
     assert math.isfinite(loss) and torch.isfinite(g).all()
     assert all(math.isfinite(v) for k, v in stats.items() if k != "ratio_neg_adv_mean")
+
+
+def test_dual_clip_hand_values():
+    """Dual-clip (arXiv 1912.09729; verl core_algos.py compute_policy_loss_vanilla, clip_ratio_c; slime ppo_utils.py
+    compute_policy_loss, --eps-clip-c): for A < 0 the loss is min(c·|A|, max(−ρA, −clip(ρ)A)); A > 0 unchanged.
+    c = 3, ε = 0.2/0.28, one token per response: ρ, A -> loss, ∂loss/∂logπ
+      ρ = 5.0, A = -1: max(5, 1.2·1) = 5 > 3 -> 3, gradient 0 (without dual-clip: 5, gradient 5)
+      ρ = 2.0, A = -1: max(2, 1.2) = 2 < 3 -> 2, gradient 2
+      ρ = 0.5, A = -1: max(0.5, 0.8) = 0.8 (clipped below) -> 0.8, gradient 0
+      ρ = 5.0, A = +1: max(-5, -1.28) = -1.28 -> -1.28, gradient 0 (dual-clip acts on A < 0 only)"""
+    log_ratio = torch.log(torch.tensor([[5.0], [2.0], [0.5], [5.0]], dtype=torch.float64))
+    adv = torch.tensor([-1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    algo = AlgoConfig.preset("grpo", clip_high=0.28, clip_ratio_c=3.0, aggregation="seq-mean-token-sum")
+    loss, stats, grad = run(log_ratio, adv, mask, algo=algo)
+    assert loss == pytest.approx((3.0 + 2.0 + 0.8 - 1.28) / 4, abs=1e-12)
+    assert grad.flatten().tolist() == pytest.approx([0.0, 2.0 / 4, 0.0, 0.0], abs=1e-12)
+    assert stats["dual_clip_fraction"] == pytest.approx(1 / 4)
+    off, off_stats, off_grad = run(log_ratio, adv, mask, algo=AlgoConfig.preset(
+        "grpo", clip_high=0.28, aggregation="seq-mean-token-sum"))
+    assert off == pytest.approx((5.0 + 2.0 + 0.8 - 1.28) / 4, abs=1e-12) and off_grad[0, 0] == pytest.approx(5 / 4)
+    assert off_stats["dual_clip_fraction"] == 0.0
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        AlgoConfig.preset("grpo", clip_ratio_c=1.0)

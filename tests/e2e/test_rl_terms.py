@@ -58,7 +58,8 @@ def test_dapo_trains_and_records_its_terms(tiny, tmp_path):
     from megamu.rollout.dataset import StageDataset
 
     save = tmp_path / "dapo"
-    launch([*flags(tiny, save), "--algorithm", "dapo", "--overlong-buffer-len", "4", "--max-sampling-rounds", "3"])
+    launch([*flags(tiny, save), "--algorithm", "dapo", "--overlong-buffer-len", "4", "--max-sampling-rounds", "3",
+            "--fill-short-stage", "--filter-groups-metric", "seq_reward"])  # groups compared by the shaped reward
     stages, updates = records(save, "stage"), records(save, "update")
     assert len(stages) == STAGES and len(updates) == MU * STAGES
     for stage_record in stages:

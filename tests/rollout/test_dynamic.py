@@ -10,7 +10,7 @@ import torch
 from megamu.algo.dapo import OverlongShaping
 from megamu.engines.local import LocalEngine
 from megamu.rollout.dataset import StageDataset
-from megamu.rollout.dynamic import SAMPLING_DIR, run_dynamic_rollout
+from megamu.rollout.dynamic import SAMPLING_DIR, ShortStageError, run_dynamic_rollout
 from megamu.rollout.phase import generate_groups, run_rollout_phase
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
 from tests.tiny import build_char_tokenizer
@@ -36,10 +36,20 @@ def setup(tiny_llama):
     return LocalEngine(tiny_llama), tok, make_prompts(tok)
 
 
-def test_a_rollout_whose_groups_are_all_equal_stops_at_the_bound_and_says_so(setup, tmp_path):
+def test_a_rollout_whose_groups_are_all_equal_stops_at_the_bound_as_verl_does(setup, tmp_path):
+    """verl-recipe dapo/dapo_ray_trainer.py ``fit``: num_gen_batches >= max_num_gen_batches raises ValueError."""
+    engine, tok, prompts = setup
+    with pytest.raises(ShortStageError, match="found 0 of 3 groups with unequal seq_reward in 3 generation rounds"):
+        run_dynamic_rollout(engine, rounds_of(prompts), tmp_path / "stage", max_rounds=3, n_samples=G, stage=0,
+                            groups_per_shard=2, sampling=SAMPLING, scorer=ConstantScorer(), tokenizer=tok)
+    assert not (tmp_path / "stage" / "manifest.json").exists()
+    assert sorted(p.name for p in (tmp_path / "stage" / SAMPLING_DIR).iterdir()) == ["round_0", "round_1", "round_2"]
+
+
+def test_fill_short_stage_keeps_megamus_fill_and_says_so(setup, tmp_path):
     engine, tok, prompts = setup
     m = run_dynamic_rollout(engine, rounds_of(prompts), tmp_path / "stage", max_rounds=3, n_samples=G, stage=0,
-                            groups_per_shard=2, sampling=SAMPLING, scorer=ConstantScorer(), tokenizer=tok)
+                            groups_per_shard=2, sampling=SAMPLING, scorer=ConstantScorer(), tokenizer=tok, fill=True)
     assert m.extra["dynamic_sampling"] == {"rounds": 3, "generated_groups": 9, "dropped_groups": 9,
                                            "filled_groups": 3}
     ds = StageDataset(tmp_path / "stage")
@@ -84,3 +94,39 @@ def test_overlong_shaping_adds_dapos_penalty_before_the_advantages(setup, tmp_pa
         torch.testing.assert_close(torch.tensor([s.advantage for s in g], dtype=torch.float64), want.double(),
                                    atol=1e-5, rtol=0)
     assert m.extra["overlong_fraction"] == pytest.approx(sum(n > 8 for n in lengths) / len(lengths))
+
+
+def test_rounds_larger_than_the_stage_keep_its_first_informative_groups_and_zero_rounds_means_no_limit(setup,
+                                                                                                       tmp_path):
+    """verl's data.gen_batch_size > train_batch_size: each round generates more prompts than the stage trains on; the
+    stage keeps the first B_train groups with unequal rewards (``batch[:traj_bsz]``). max_num_gen_batches 0: no
+    bound (here reached in the first round)."""
+    engine, tok, prompts = setup
+    per_round = 6  # all six problems in one round, B_train = N = 3
+    make = lambda r: [replace(p, prompt_id=r * per_round + j) for j, p in enumerate(prompts[:per_round])]
+    m = run_dynamic_rollout(engine, make, tmp_path / "stage", max_rounds=0, n_samples=G, stage=0, target=N,
+                            groups_per_shard=2, sampling=SAMPLING, scorer=ParityScorer(), tokenizer=tok)
+    groups = generate_groups(engine, make(0), replace(SAMPLING, n=G), G, ParityScorer(), tok)
+    informative = [g for g in groups if len({s.reward for s in g}) > 1]
+    assert len(informative) >= N  # so one round is enough
+    record = m.extra["dynamic_sampling"]
+    assert (record["rounds"], record["generated_groups"], record["filled_groups"]) == (1, per_round, 0)
+    key = lambda g: [(s.prompt_ids, s.response_ids, s.reward) for s in g]
+    assert [key(g) for g in StageDataset(tmp_path / "stage").groups()] == [key(g) for g in informative[:N]]
+
+
+def test_a_sampling_round_larger_than_the_stage_begins_with_the_stages_own_prompts(tmp_path):
+    """Prompts.for_sampling_round(stage, r, per_round): round 0 = the stage's B_train prompts then per_round - B_train
+    more, ids 0..per_round-1; round r = per_round drawn prompts, ids r·per_round + j; per_round = B_train: as before."""
+    from megamu.data.stage_prompts import Prompts, PromptsConfig
+
+    prompts = Prompts(PromptsConfig(prompts_per_stage=3, seed=1, data_dir=tmp_path, builtin_rows=40, held_out=0,
+                                    chat_template=False), build_char_tokenizer())
+    own = prompts.for_stage(2)
+    first = prompts.for_sampling_round(2, 0, 5)
+    assert first[:3] == own and [p.prompt_id for p in first] == [0, 1, 2, 3, 4]
+    assert [p.prompt_id for p in prompts.for_sampling_round(2, 2, 5)] == [10, 11, 12, 13, 14]
+    assert prompts.for_sampling_round(2, 0) == own and prompts.for_sampling_round(2, 0, 3) == own
+    assert [p.prompt_id for p in prompts.for_sampling_round(2, 1)] == [3, 4, 5]
+    with pytest.raises(ValueError, match="smaller than the stage's 3"):
+        prompts.for_sampling_round(2, 0, 2)

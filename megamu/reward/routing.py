@@ -8,9 +8,11 @@ preprocessing (examples/data_preprocess/gsm8k.py, math_dataset.py ...) train wit
   math_dapo, aime*                                      -> dapo_score: DAPO's ``Answer: X`` line, or the last \\boxed{}
   anything else, or no data_source (megamu's own rows)  -> math_score
 
-Choices, where verl differs: megamu's scorers give 1 / 0 (verl's math_dapo gives 1 / -1: the same advantages once
-normalised by the group's std); an unknown data_source is scored as math (verl raises NotImplementedError); the code
-sources (codecontests, apps, ...) need --reward code, whose rows carry tests in megamu's format.
+dapo_score gives verl's math_dapo values, 1 right / -1 wrong (verl/utils/reward_score/math_dapo.py compute_score):
+the group advantages are the same as with 1 / 0, but DAPO's overlong penalty (down to -1) weighs against a gap of 2,
+as in verl's recipe. megamu's other scorers give 1 / 0, as verl's gsm8k and math do. Choices, where verl differs: an
+unknown data_source is scored as math (verl raises NotImplementedError); the code sources (codecontests, apps, ...)
+need --reward code, whose rows carry tests in megamu's format.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
 def dapo_score(response: str, ground_truth: str) -> float:
-    """DAPO-Math-17k's format: the last ``Answer: X`` line, checked as a \\boxed{X} answer; else the last \\boxed{}."""
+    """DAPO-Math-17k's format: the last ``Answer: X`` line, checked as a \\boxed{X} answer; else the last \\boxed{}.
+    1.0 right, -1.0 wrong (verl's math_dapo score)."""
     lines = ANSWER_LINE.findall(response)
-    if lines:
-        return math_score("\\boxed{" + lines[-1].strip().rstrip(".").strip("$") + "}", ground_truth)
-    return math_score(response, ground_truth)
+    text = "\\boxed{" + lines[-1].strip().rstrip(".").strip("$") + "}" if lines else response
+    return 1.0 if math_score(text, ground_truth) == 1.0 else -1.0
 
 
 def scorer_for(data_source: str):

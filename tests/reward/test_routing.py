@@ -42,10 +42,12 @@ def test_routing_table(source, scorer):
     assert scorer_for(source) is scorer
 
 
-def test_dapo_answer_line_and_boxed():
+def test_dapo_answer_line_and_boxed_scored_plus_or_minus_one_as_verls_math_dapo():
+    """verl/utils/reward_score/math_dapo.py compute_score: ``reward = 1.0 if correct else -1.0``."""
     assert dapo_score("work...\nAnswer: \\frac{3}{4}", "\\frac{3}{4}") == 1.0
     assert dapo_score("Answer: 5\nno wait\nAnswer: 6.", "6") == 1.0  # the last answer line
-    assert dapo_score("so \\boxed{6}", "6") == 1.0 and dapo_score("Answer: 7", "6") == 0.0
+    assert dapo_score("so \\boxed{6}", "6") == 1.0 and dapo_score("Answer: 7", "6") == -1.0
+    assert dapo_score("no answer at all", "6") == -1.0
 
 
 def test_a_verl_gsm8k_row_is_scored_without_a_user_function(tmp_path):

@@ -84,9 +84,10 @@ def add_slime_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, help="flash or auto: megamu's GPU layers use Transformer "
                                                              "Engine's flash attention")
     g.add_argument("--interval-unit", choices=("updates", "rollouts"), default=None, help=(
-        "what --save-interval, --eval-interval and --hf-export-interval count: optimiser updates (megamu's and "
-        "Megatron-LM's default) or rollouts (slime's and verl's: a stage, μ updates). Required when a launch in "
-        "slime's terms (--rollout-batch-size, --num-rollout) gives an interval and μ > 1"))
+        "what --save-interval, --eval-interval and --hf-export-interval count, and --lr-warmup-iters outside a "
+        "slime launch (verl's lr_warmup_steps): optimiser updates (megamu's and Megatron-LM's default) or rollouts "
+        "(slime's and verl's: a stage, μ updates). Required when a launch in slime's terms (--rollout-batch-size, "
+        "--num-rollout) gives an interval and μ > 1"))
 
 
 def _set(args: argparse.Namespace, notes: list[str], slime: str, dest: str, value, megamu: str, *,
@@ -259,8 +260,12 @@ def check_expert_tensor_parallel(args: argparse.Namespace, hf_config: dict | Non
 def convert_intervals(args: argparse.Namespace, mu: int, is_async: bool) -> list[str]:
     """Intervals count optimiser updates (megamu's and Megatron-LM's rule); ``--interval-unit rollouts`` counts them
     as slime's train.py and verl's trainer do (save/eval every N rollouts), converted here to N x μ updates. A launch
-    in slime's terms that gives an interval at μ > 1 must say which it means: the two differ by a factor μ."""
-    given = [(flag, dest) for flag, dest in INTERVAL_FLAGS if getattr(args, dest)]
+    in slime's terms that gives an interval at μ > 1 must say which it means: the two differ by a factor μ.
+    ``--lr-warmup-iters`` follows the unit too (verl's actor.optim.lr_warmup_steps counts training steps, one per
+    rollout: its scheduler steps once per update_actor call), except in a slime launch, where it is Megatron-LM's
+    count of optimiser steps as slime passes it on (slime/backends/megatron_utils/model.py:214: x global batch)."""
+    flags = INTERVAL_FLAGS if is_slime_launch(args) else (*INTERVAL_FLAGS, ("--lr-warmup-iters", "lr_warmup_iters"))
+    given = [(flag, dest) for flag, dest in flags if getattr(args, dest)]
     if not given:
         return []
     if args.interval_unit is None:
@@ -279,5 +284,5 @@ def convert_intervals(args: argparse.Namespace, mu: int, is_async: bool) -> list
         _error("--interval-unit", "rollouts: async mode has no rollouts of a fixed size (give updates)")
     for _, dest in given:
         setattr(args, dest, getattr(args, dest) * mu)
-    return [f"{flag} {getattr(args, dest) // mu} rollouts -> every {getattr(args, dest)} updates (μ = {mu})"
-            for flag, dest in given]
+    return [f"{flag} {getattr(args, dest) // mu} rollouts -> {'' if 'warmup' in dest else 'every '}"
+            f"{getattr(args, dest)} updates (μ = {mu})" for flag, dest in given]

@@ -146,3 +146,19 @@ def test_lr_warmup_follows_the_interval_unit_except_in_a_slime_launch(tmp_path, 
              "--save-interval", "2", "--interval-unit", "rollouts"]
     run = parse_args(["--save", str(tmp_path / "s"), *slime])
     assert (run.plan.mu, run.policy.optimizer.lr_warmup_iters, run.save_interval) == (4, 3, 8)
+
+
+def test_the_overlong_buffer_switches_off_and_rounds_need_dynamic_sampling(tmp_path, monkeypatch):
+    """verl's reward_model.overlong_buffer.enable=False: --overlong-buffer-len 0 (the dapo preset's 4096-token buffer
+    cannot sit under a 12-token limit; switched off it need not)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    short = ["--save", str(tmp_path / "d"), "--num-stages", "2", "--algorithm", "dapo", "--rollout-max-response-len",
+             "12"]
+    with pytest.raises(SystemExit, match="--overlong-buffer-len: 4096 tokens leaves no unpunished length"):
+        parse_args(short)
+    assert parse_args([*short, "--overlong-buffer-len", "0"]).algo.overlong_buffer == 0
+    with pytest.raises(SystemExit, match="--prompts-per-sampling-round: sizes dynamic sampling's rounds"):
+        parse_args(["--save", str(tmp_path / "g"), "--num-stages", "2", "--prompts-per-sampling-round", "32"])
+    with pytest.raises(SystemExit, match="--prompts-per-sampling-round: 2 is fewer than the stage's 4 prompts"):
+        parse_args([*short, "--overlong-buffer-len", "0", "--prompts-per-stage", "4", "--prompts-per-update", "2",
+                    "--prompts-per-sampling-round", "2"])

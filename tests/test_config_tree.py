@@ -46,6 +46,11 @@ FLAG_SETS = {
     "dapo-code": ["--algorithm", "dapo", "--overlong-buffer-len", "16", "--reward", "code", "--code-timeout", "3",
                   "--behaviour-logprobs", "recompute", "--rollout-top-p", "0.9", "--use-kl-loss", "--kl-loss-coef",
                   "0.01", "--no-save-optim", "--rollout-batch-size", "8", "--global-batch-size", "32"],
+    "dapo-verl": ["--algorithm", "dapo", "--overlong-buffer-len", "0", "--clip-ratio-c", "10", "--filter-groups-metric",
+                  "seq_reward", "--max-sampling-rounds", "0", "--fill-short-stage", "--prompts-per-sampling-round",
+                  "24", "--rollout-batch-size", "8", "--prompts-per-update", "4", "--num-stages", "2"],
+    "slime-grpo": ["--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--num-rollout",
+                   "2", "--rollout-batch-size", "8", "--global-batch-size", "64"],
 }
 
 

@@ -119,7 +119,8 @@ def test_the_page_dry_runs_what_this_test_reads():
 
 
 def test_the_readmes_dry_run_prints_what_the_readme_says(tmp_path, monkeypatch, capsys):
-    """The README's second command: its plan for 8 x H200, 39.6 GiB while training and 99.9 GiB during rollout."""
+    """The README's dry run: its plan for 8 x H200 (bf16, as slime trains), 39.6 GiB while training and 99.9 GiB
+    during rollout."""
     import pretrain_mu_grpo
 
     readme = (REPO / "README.md").read_text()

@@ -36,6 +36,19 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def smoothing_window(n: int) -> int:
+    """The moving average's width for n points: a twentieth of the run, at least 4 points (a demo's 32 updates are
+    averaged over 4, a paper run's 4096 over 204), never more than the run."""
+    return max(1, min(n, max(4, n // 20)))
+
+
+def time_axis(seconds: list[float]) -> tuple[list[float], str]:
+    """Wall-clock values and their axis label: minutes for a run of up to two hours, hours beyond."""
+    if max(seconds, default=0.0) <= 2 * 3600:
+        return [t / 60 for t in seconds], "wall-clock (minutes)"
+    return [t / 3600 for t in seconds], "wall-clock (hours)"
+
+
 def stage_starts(updates: list[dict]) -> list[int]:
     """Update indices at which a new stage begins (rollout refreshes), excluding the first stage."""
     return [b["update"] for a, b in zip(updates, updates[1:]) if b.get("stage") != a.get("stage")]
@@ -57,7 +70,8 @@ def plot_reward(updates: list[dict], out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, y, color="tab:blue", alpha=0.3, linewidth=0.8)
-    ax.plot(x, smooth(y, max(1, len(y) // 50)), color="tab:blue", linewidth=2, label="reward (smoothed)")
+    window = smoothing_window(len(y))
+    ax.plot(x, smooth(y, window), color="tab:blue", linewidth=2, label=f"reward (mean of the last {window} updates)")
     # Too many refreshes (GRPO mu=4 has 1024) would paint the plot grey: mark them only when they are few.
     starts = stage_starts(updates)
     if len(starts) <= 64:
@@ -117,16 +131,17 @@ def plot_accuracy(reports: list[dict], metrics: list[dict], out: Path) -> Path |
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     if reports:
-        hours = [r["time"] / 3600 for r in reports]
+        times, xlabel = time_axis([r["time"] for r in reports])
         for name in reports[0]["benchmarks"]:
-            ax.plot(hours, [100 * r["benchmarks"][name]["mean"] for r in reports], marker=".", linewidth=1, label=name)
-        ax.plot(hours, [100 * r["average"] for r in reports], marker="o", color="black", linewidth=2, label="average")
+            ax.plot(times, [100 * r["benchmarks"][name]["mean"] for r in reports], marker=".", linewidth=1, label=name)
+        ax.plot(times, [100 * r["average"] for r in reports], marker="o", color="black", linewidth=2, label="average")
         ylabel = "pass@1 averaged over k samples (%)"
     else:
-        ax.plot([r["time"] / 3600 for r in held_out], [100 * r["accuracy"] for r in held_out], marker="o",
+        times, xlabel = time_axis([r["time"] for r in held_out])
+        ax.plot(times, [100 * r["accuracy"] for r in held_out], marker="o",
                 label="held-out prompts (greedy, logged by the trainer)")
         ylabel = "accuracy (%)"
-    ax.set(xlabel="wall-clock (hours)", ylabel=ylabel, title="Accuracy vs wall-clock")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title="Accuracy vs wall-clock")
     ax.legend(fontsize=8)
     return _save(fig, out / "accuracy_vs_time.png")
 

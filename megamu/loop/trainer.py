@@ -12,6 +12,7 @@ business.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from megamu.data.stage_prompts import Prompts
@@ -90,8 +91,7 @@ class Trainer:
         if self.mode.log_due(update, plan.mu, plan.total_updates, cfg.log_interval):
             self.metrics.log("update", step=update, stage=self.state.stage, update=update - 1, **stats, **fields)
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.4f}", reward=f"{stats['reward_mean']:.2f}",
-                        ratio=f"{stats['ratio_mean']:.3f}", veto=f"{stats['veto_token_fraction']:.3f}")
+        bar.set_postfix_str(update_postfix(stats))
         if self.mode.checkpoint_due(update, plan.mu, plan.total_updates, cfg.save_interval):
             self.state.elapsed = self.metrics.elapsed()
             self.policy.save(update, extra=self.state_dict())
@@ -164,3 +164,17 @@ class Trainer:
 def _print(msg: str) -> None:
     if parallel.is_main_rank():
         print(msg, flush=True)
+
+
+def update_postfix(stats: dict[str, float]) -> str:
+    """The progress bar's fields of one update. An update whose groups all have zero advantage has nothing to learn
+    from: with --skip-zero-advantage no token is scored, so its ratio and veto fraction are undefined (NaN in the
+    record); the bar says so instead of printing nan."""
+    def shown(value: float, spec: str) -> str:
+        return "–" if math.isnan(value) else format(value, spec)
+
+    fields = (f"loss={stats['loss']:.4f}, reward={stats['reward_mean']:.2f}, "
+              f"ratio={shown(stats['ratio_mean'], '.3f')}, veto={shown(stats['veto_token_fraction'], '.3f')}")
+    if stats["advantage_min"] == 0.0 == stats["advantage_max"]:
+        fields += ": nothing to learn (every group's rewards equal)"
+    return fields

@@ -88,3 +88,19 @@ def test_stage_starts_and_smooth():
     ups = [{"update": u, "stage": s} for u, s in enumerate([0, 0, 0, 1, 1, 2])]
     assert plot_run.stage_starts(ups) == [3, 5]
     assert plot_run.smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_the_smoothed_reward_is_smoothed_and_a_run_of_minutes_is_drawn_in_minutes():
+    """The demo's 32 updates: the "smoothed" curve averages 4 updates (a window of 1 drew the raw curve twice);
+    its 9-minute run is labelled in minutes, a 5-hour run in hours."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import plot_run
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    assert [plot_run.smoothing_window(n) for n in (1, 3, 32, 100, 4096)] == [1, 3, 4, 5, 204]
+    raw = [0.0, 1.0] * 16
+    smoothed = plot_run.smooth(raw, plot_run.smoothing_window(len(raw)))
+    assert smoothed[3:] == [0.5] * 29  # the alternating rewards averaged out once the window is full
+    assert plot_run.time_axis([0.0, 270.0, 540.0]) == ([0.0, 4.5, 9.0], "wall-clock (minutes)")
+    assert plot_run.time_axis([0.0, 18000.0]) == ([0.0, 5.0], "wall-clock (hours)")

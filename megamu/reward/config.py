@@ -20,8 +20,8 @@ CODE_ITEM_SLACK_S = 60.0  # a code item may run many cases; the pool kills it on
 class RewardConfig:
     kind: str = flag("--reward", default="math", choices=REWARD_KINDS, help=(
         "math: last \\boxed{} vs the answer (math-verify), or by the row's data_source as verl's default reward "
-        "(openai/gsm8k: the '#### N' line; math_dapo, aime*: 'Answer: X'); code: the last ```python block runs "
-        "against the row's tests in a sandbox"))
+        "(openai/gsm8k: the '#### N' line; math_dapo, aime*: 'Answer: X', 1 / -1); code: the last ```python block "
+        "runs against the row's tests in a sandbox"))
     reward_fn: str | None = flag("--reward-fn", "--custom-rm-path", default=None, help=(
         "module:function, file.py:function or module.function (slime's --custom-rm-path); fn(response, "
         "ground_truth), verl's compute_score(data_source, solution_str, ground_truth, extra_info) or slime's "

@@ -144,8 +144,9 @@ def test_finite_for_extreme_log_ratios(batch, preset, aggregation):
 
 
 def test_dual_clip_hand_values():
-    """Dual-clip (arXiv 1912.09729; verl core_algos.py compute_policy_loss_vanilla, clip_ratio_c; slime ppo_utils.py
-    compute_policy_loss, --eps-clip-c): for A < 0 the loss is min(c·|A|, max(−ρA, −clip(ρ)A)); A > 0 unchanged.
+    """Dual-clip (arXiv 1912.09729; verl verl/trainer/ppo/core_algos.py:1147-1153 at b178a3c, clip_ratio_c; slime
+    slime/utils/ppo_utils.py:138-144 at 624b824, --eps-clip-c): for A < 0 the loss is min(c·|A|, max(−ρA, −clip(ρ)A));
+    A > 0 unchanged.
     c = 3, ε = 0.2/0.28, one token per response: ρ, A -> loss, ∂loss/∂logπ
       ρ = 5.0, A = -1: max(5, 1.2·1) = 5 > 3 -> 3, gradient 0 (without dual-clip: 5, gradient 5)
       ρ = 2.0, A = -1: max(2, 1.2) = 2 < 3 -> 2, gradient 2

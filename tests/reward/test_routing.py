@@ -43,7 +43,7 @@ def test_routing_table(source, scorer):
 
 
 def test_dapo_answer_line_and_boxed_scored_plus_or_minus_one_as_verls_math_dapo():
-    """verl/utils/reward_score/math_dapo.py compute_score: ``reward = 1.0 if correct else -1.0``."""
+    """verl/utils/reward_score/math_dapo.py:265 (b178a3c), compute_score: ``reward = 1.0 if correct else -1.0``."""
     assert dapo_score("work...\nAnswer: \\frac{3}{4}", "\\frac{3}{4}") == 1.0
     assert dapo_score("Answer: 5\nno wait\nAnswer: 6.", "6") == 1.0  # the last answer line
     assert dapo_score("so \\boxed{6}", "6") == 1.0 and dapo_score("Answer: 7", "6") == -1.0

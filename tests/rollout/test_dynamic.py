@@ -37,7 +37,8 @@ def setup(tiny_llama):
 
 
 def test_a_rollout_whose_groups_are_all_equal_stops_at_the_bound_as_verl_does(setup, tmp_path):
-    """verl-recipe dapo/dapo_ray_trainer.py ``fit``: num_gen_batches >= max_num_gen_batches raises ValueError."""
+    """verl-recipe dapo/dapo_ray_trainer.py:280-286 (48ea0a7), ``fit``: num_gen_batches >= max_num_gen_batches > 0
+    raises ValueError."""
     engine, tok, prompts = setup
     with pytest.raises(ShortStageError, match="found 0 of 3 groups with unequal seq_reward in 3 generation rounds"):
         run_dynamic_rollout(engine, rounds_of(prompts), tmp_path / "stage", max_rounds=3, n_samples=G, stage=0,
@@ -99,8 +100,8 @@ def test_overlong_shaping_adds_dapos_penalty_before_the_advantages(setup, tmp_pa
 def test_rounds_larger_than_the_stage_keep_its_first_informative_groups_and_zero_rounds_means_no_limit(setup,
                                                                                                        tmp_path):
     """verl's data.gen_batch_size > train_batch_size: each round generates more prompts than the stage trains on; the
-    stage keeps the first B_train groups with unequal rewards (``batch[:traj_bsz]``). max_num_gen_batches 0: no
-    bound (here reached in the first round)."""
+    stage keeps the first B_train groups with unequal rewards (``batch[:traj_bsz]``, dapo_ray_trainer.py:294 at
+    48ea0a7). max_num_gen_batches 0: no bound (:280; here the stage fills in the first round)."""
     engine, tok, prompts = setup
     per_round = 6  # all six problems in one round, B_train = N = 3
     make = lambda r: [replace(p, prompt_id=r * per_round + j) for j, p in enumerate(prompts[:per_round])]

@@ -37,20 +37,26 @@ def test_slimes_grpo_flags_without_algorithm_run_slimes_grpo_in_bf16(tmp_path, m
     out = capsys.readouterr().out
     how = [line for line in out.splitlines() if "-> --algorithm grpo" in line]
     assert len(how) == 1 and "slime's GRPO, ratio clipped to [0.8, 1.28], no negative-advantage veto" in how[0]
-    assert "--algorithm mu-grpo without --eps-clip/--eps-clip-high" in how[0]
+    assert "For μ-GRPO (relaxed clip [0, 5] and the veto): --algorithm mu-grpo" in how[0]
     assert "note: precision: bf16, as slime trains unless told --fp16" in out
     assert "warning:" not in out
 
 
-def test_the_same_launch_with_algorithm_mu_grpo_runs_mu_grpo_and_warns_of_the_replaced_clip(tmp_path, monkeypatch,
-                                                                                             capsys):
+def test_the_same_launch_with_algorithm_mu_grpo_runs_mu_grpo_and_warns_that_slimes_clip_is_not_applied(
+        tmp_path, monkeypatch, capsys):
     run = dry_run(tmp_path, monkeypatch, *GRPO_ARGS, "--algorithm", "mu-grpo")
     algo = run.algo
     assert (algo.name, algo.veto_threshold, algo.veto_scope) == ("mu-grpo", 1e-4, "sequence")
-    assert (algo.clip_low, algo.clip_high) == (0.2, 0.28)  # what the launch asked, said loudly
+    assert (algo.clip_low, algo.clip_high) == (1.0, 4.0)  # the paper's [0, 5] (§3.1), not slime's [0.8, 1.28]
     out = capsys.readouterr().out
-    assert "warning: --eps-clip/--eps-clip-high replace μ-GRPO's relaxed clip [0, 5] by [0.8, 1.28]" in out
+    assert "warning: --eps-clip 0.2 --eps-clip-high 0.28 (slime's GRPO clip) not applied: μ-GRPO keeps its relaxed " \
+           "clip [0, 5]" in out
     assert "-> --algorithm grpo" not in out
+    # megamu's own clip flags do replace it, said as loudly
+    algo = dry_run(tmp_path, monkeypatch, *GRPO_ARGS[:-4], "--algorithm", "mu-grpo", "--clip-high", "0.28").algo
+    assert (algo.clip_low, algo.clip_high) == (1.0, 0.28)
+    assert "warning: --clip-low/--clip-high replace μ-GRPO's relaxed clip [0, 5] by [0, 1.28]" \
+        in capsys.readouterr().out
 
 
 def test_mu_grpo_without_slimes_clip_is_the_papers(tmp_path, monkeypatch, capsys):

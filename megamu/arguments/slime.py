@@ -141,15 +141,23 @@ def _algorithm(args: argparse.Namespace, notes: list[str]) -> None:
     """slime's --eps-clip / --eps-clip-high are its PPO clip range, and --eps-clip-high defaults to --eps-clip
     (slime/utils/arguments.py:1876-1877); its --advantage-estimator grpo (the default, :941) runs GRPO with that clip
     and nothing else. So a launch giving them without --algorithm runs megamu's grpo preset with that range, never
-    μ-GRPO's veto under slime's clip; the note says how to run μ-GRPO. μ-GRPO with a clip given is warned about:
-    its relaxed clip [0, 5] is replaced."""
+    μ-GRPO's veto under slime's clip; the note says how to run μ-GRPO. With --algorithm mu-grpo, slime's clip flags
+    (written for slime's GRPO) are not applied: μ-GRPO keeps its relaxed clip [0, 5] (§3.1), and a warning says so
+    and names megamu's own --clip-low/--clip-high, which do replace it (with a warning too)."""
     given = [f"--{d.replace('_', '-')}" for d in SLIME_ALGORITHM if getattr(args, d) is not None]
-    if args.eps_clip is not None:
-        _set(args, [], "--eps-clip", "clip_low", args.eps_clip, f"--clip-low {args.eps_clip}")
-        if args.eps_clip_high is None and args.clip_high is None:
-            args.clip_high = args.eps_clip  # slime: eps_clip_high = eps_clip when not given
-    if args.eps_clip_high is not None:
-        _set(args, [], "--eps-clip-high", "clip_high", args.eps_clip_high, f"--clip-high {args.eps_clip_high}")
+    eps = {f: v for f, v in (("--eps-clip", args.eps_clip), ("--eps-clip-high", args.eps_clip_high)) if v is not None}
+    if args.algorithm == "mu-grpo" and eps:
+        notes.append(f"warning: {' '.join(f'{f} {v}' for f, v in eps.items())} "
+                     "(slime's GRPO clip) not applied: μ-GRPO keeps its relaxed clip [0, 5] with the "
+                     "negative-advantage veto; --clip-low/--clip-high would replace it, --algorithm grpo runs "
+                     "slime's GRPO")
+    else:
+        if args.eps_clip is not None:
+            _set(args, [], "--eps-clip", "clip_low", args.eps_clip, f"--clip-low {args.eps_clip}")
+            if args.eps_clip_high is None and args.clip_high is None:
+                args.clip_high = args.eps_clip  # slime: eps_clip_high = eps_clip when not given
+        if args.eps_clip_high is not None:
+            _set(args, [], "--eps-clip-high", "clip_high", args.eps_clip_high, f"--clip-high {args.eps_clip_high}")
     preset = PRESETS[args.algorithm or ("grpo" if given else DEFAULT_ALGORITHM)]
     low = 1 - (preset["clip_low"] if args.clip_low is None else args.clip_low)
     high = preset["clip_high"] if args.clip_high is None else args.clip_high
@@ -158,13 +166,11 @@ def _algorithm(args: argparse.Namespace, notes: list[str]) -> None:
         args.algorithm = "grpo"
         notes.append(f"{', '.join(given)} without --algorithm -> --algorithm grpo: slime's GRPO, ratio clipped to "
                      f"{clip}, no negative-advantage veto. For μ-GRPO (relaxed clip [0, 5] and the veto): "
-                     "--algorithm mu-grpo without --eps-clip/--eps-clip-high")
+                     "--algorithm mu-grpo")
     args.algorithm = args.algorithm or DEFAULT_ALGORITHM
     if args.algorithm == "mu-grpo" and (args.clip_low is not None or args.clip_high is not None):
-        flags = "--eps-clip/--eps-clip-high" if args.eps_clip is not None or args.eps_clip_high is not None \
-            else "--clip-low/--clip-high"
-        notes.append(f"warning: {flags} replace μ-GRPO's relaxed clip [0, 5] by {clip} (the negative-advantage veto "
-                     f"stays on): drop them for the paper's μ-GRPO, or give --algorithm grpo for slime's GRPO")
+        notes.append(f"warning: --clip-low/--clip-high replace μ-GRPO's relaxed clip [0, 5] by {clip} (the "
+                     "negative-advantage veto stays on): drop them for the paper's μ-GRPO")
 
 
 def is_slime_launch(args: argparse.Namespace) -> bool:

@@ -306,8 +306,8 @@ class MemoryPlan:
         c = self.config
         sp = " + SP" if c.sequence_parallel else ""
         etp = f", ETP {c.expert_tp} x EDP {c.expert_dp}" if c.expert_tp != c.tp else ""  # experts' own TP
-        layout = f"TP {c.tp}{sp} x DP {c.dp}" + (f", EP {c.ep}{etp} ({c.model.num_experts // c.ep} of "
-                                                 f"{c.model.num_experts} experts per GPU)" if c.model.num_experts else "")
+        experts = f", EP {c.ep}{etp} ({c.model.num_experts // c.ep} of {c.model.num_experts} experts per GPU)"
+        layout = f"TP {c.tp}{sp} x DP {c.dp}" + (experts if c.model.num_experts else "")
         batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
             f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
             + f"{c.micro_batch_size} rows x {c.max_seq_len})")

@@ -208,3 +208,37 @@ def test_a_hub_id_is_read_from_the_local_hf_cache_only(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit, match="--hf-checkpoint: Qwen/Qwen3-8B is neither a folder here nor in the local "
                                          "HF cache .*huggingface-cli download Qwen/Qwen3-8B"):
         parse_args(["--save", str(tmp_path / "run"), "--hf-checkpoint", "Qwen/Qwen3-8B", "--num-stages", "2"])
+
+
+def test_moe_layer_freq_reads_both_of_megatron_lms_forms():
+    """megatron-core turns an integer N into one MoE layer every N, from layer 0 (models/gpt/gpt_layer_specs.py:583-586,
+    pinned below); a list expression is evaluated as Python by Megatron-LM, here read without eval."""
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megamu.arguments.model_args import moe_layer_pattern
+
+    source = inspect.getsource(gpt_layer_specs)
+    assert "1 if (i % config.moe_layer_freq == 0) else 0 for i in range(config.num_layers)" in source
+    assert moe_layer_pattern("2", 5) == [1, 0, 1, 0, 1]
+    assert moe_layer_pattern("([1]*3+[0])*2", 8) == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert moe_layer_pattern("[1,1,1]", 3) == [1, 1, 1]
+    for bad in ("[1,2,1]", "__import__('os')", "0", "[1]*2"):
+        with pytest.raises(SystemExit, match="--moe-layer-freq"):
+            moe_layer_pattern(bad, 3)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--moe-layer-freq", "2", "--moe-layer-freq: 2 makes layers [1, 3, 5"),
+    ("--moe-layer-freq", "[1]*47", "--moe-layer-freq: '[1]*47' must give one 0 or 1 per layer (48 layers)"),
+    ("--moe-router-score-function", "sigmoid", "--moe-router-score-function: sigmoid contradicts"),
+])
+def test_moe_flags_that_contradict_the_config_are_refused(tmp_path, flag, value, message):
+    assert message in refused(tmp_path, "Qwen3-30B-A3B", flag, value)
+
+
+def test_moe_flags_that_agree_change_nothing_and_a_dense_model_ignores_them(tmp_path):
+    assert run(tmp_path, "Qwen3-30B-A3B", "--moe-layer-freq", "[1]*48") == run(tmp_path, "Qwen3-30B-A3B")
+    assert run(tmp_path, "Qwen3-4B", "--moe-layer-freq", "2", "--moe-router-score-function", "sigmoid") == \
+        run(tmp_path, "Qwen3-4B")

@@ -45,6 +45,7 @@ from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
 from megamu.memory.memory_fixes import fixes
 from megamu.mode import mode_of
+from megamu.model.moe_settings import MoeSettings
 from megamu.rollout import RolloutConfig
 from megamu.runtime.device import Device
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
     add_fields(g, PolicyConfig, ["sequence_parallel", "recompute_granularity", "moe_router_load_balancing_type",
                                  "moe_aux_loss_coeff"])
+    add_fields(g, MoeSettings)
 
     g = p.add_argument_group("optimiser (Megatron names)")
     add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
@@ -269,8 +271,11 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     # the values the run stores once (seed, G, response bound, temperature, device, run directory) and what follows
     # from the run (lr_decay_iters, B_train, the built-in rows, ...) are passed down by RunConfig.derive
     optimizer = _config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))
+    moe = _config(MoeSettings, at="policy.moe", **field_values(MoeSettings, args))
+    if (args.transformer_impl or device.transformer_impl) == "local" and not args.dry_run:
+        notes += moe.cpu_fallbacks()
     policy = _config(
-        PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer,
+        PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer, moe=moe,
         checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None

@@ -139,18 +139,26 @@ def test_slime_values_megamu_cannot_honour_name_megamus_equivalent(tmp_path, bad
     assert message in str(e.value)
 
 
-def test_expert_tensor_parallel_size_is_free_for_a_dense_model_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    dense = run(tmp_path, "Qwen3-4B", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
-    assert dense.tensor_model_parallel_size == 2
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text((HF / "Qwen3-4B" / "config.json").read_text().replace(
-        '"model_type": "qwen3"', '"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, '
-                                 '"moe_intermediate_size": 768'))
-    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size: 1: megamu splits each expert"):
-        parse_args(["--save", str(tmp_path / "r"), "--hf-checkpoint", str(moe), "--num-stages", "2", "--dry-run",
-                    "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
+def test_expert_tensor_parallel_size_is_the_experts_own_and_must_fit_the_world(tmp_path, monkeypatch):
+    """megatron-core's parallel folding (parallel_state.py:786-805): experts at ETP x EP x EDP over the same world as
+    the dense TP x DP; ETP = TP unless given. Qwen3-30B-A3B's real config (tests/fixtures/hf)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    model = "Qwen3-30B-A3B"
+    cfg = run(tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--bf16")
+    layout = (cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
+    assert layout == (2, 2, 1)
+    assert (cfg.memory.tp, cfg.memory.dp, cfg.memory.ep, cfg.memory.expert_tp, cfg.memory.expert_dp) == (2, 2, 2, 1, 2)
+    # TP 2 x EP 4 = 8 does not divide 4 ranks, but ETP 1 x EP 4 does: the experts fold over the TP ranks
+    cfg = run(tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--bf16")
+    assert cfg.memory.expert_dp == 1
+    assert "--expert-model-parallel-size: ETP x EP = 2 x 4 = 8 does not divide world size 4 (ETP is " \
+           "--tensor-model-parallel-size 2 unless" in refused(
+               tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--expert-model-parallel-size", "4", "--bf16")
+    assert "--expert-tensor-parallel-size: ETP x EP = 4 x 2 = 8 does not divide world size 4" in refused(
+        tmp_path, model, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4", "--bf16")
 
 
 def test_actor_layout_is_the_dry_runs_world_and_checked_under_torchrun(tmp_path, monkeypatch):

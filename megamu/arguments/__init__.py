@@ -32,7 +32,6 @@ from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arg
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
 from megamu.arguments.slime import (
     add_slime_arguments,
-    check_expert_tensor_parallel,
     convert_intervals,
     dynamic_micro_batch,
     resolve_precision,
@@ -63,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
     add_fields(g, PolicyConfig, ["hf_checkpoint"])
-    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size"])
+    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size",
+                              "expert_tensor_parallel_size"])
     add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
     add_fields(g, RunConfig, ["seed"])
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
@@ -228,9 +228,15 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     world = world_size(args)
     if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
-    model_parallel = args.tensor_model_parallel_size * args.expert_model_parallel_size
-    if model_parallel > 0 and world % model_parallel:
-        _error("--expert-model-parallel-size", f"TP x EP = {model_parallel} does not divide world size {world}")
+    # megatron-core's expert groups (parallel_state.py:786-795): ETP x EP x expert-DP = the world, ETP = TP unless given
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    experts = etp * args.expert_model_parallel_size
+    if experts > 0 and world % experts:
+        flag = "--expert-tensor-parallel-size" if args.expert_tensor_parallel_size else "--expert-model-parallel-size"
+        _error(flag, f"ETP x EP = {etp} x {args.expert_model_parallel_size} = {experts} does not divide world size "
+                     f"{world}" + ("" if args.expert_tensor_parallel_size else
+                                   f" (ETP is --tensor-model-parallel-size {etp} unless "
+                                   "--expert-tensor-parallel-size gives the experts their own)"))
     reward_config(args)  # its errors before any path check
     check_paths(args)
     check_device(args, device)
@@ -261,7 +267,6 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_inputs(args, device)
     config = hf_config(args)
     check_model_arguments(args, config)
-    check_expert_tensor_parallel(args, config)
     plan = plan_of(args)
     check_megatron_arguments(args, plan.prompts_per_update)
     notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)

@@ -28,7 +28,7 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
-from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
+from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
 from megamu.arguments.slime import (
     add_slime_arguments,
@@ -298,6 +298,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         evaluation=evaluation_config(args), tracker=tracker_config(args), world_size=world_size(args),
         ranks_per_node=gpus_per_node(args))
     _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
+    notes += optimizer_offload_note(args, run.memory)
     if os.environ.get("RANK", "0") == "0":
         for line in notes + servers_note(run, args.sglang_num_servers) + announcements(run, args.interval_unit):
             print(line if line.startswith("warning: ") else f"note: {line}", flush=True)

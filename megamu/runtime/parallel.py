@@ -206,7 +206,9 @@ def dp_group() -> dist.ProcessGroup:
 def gathers_full_weights() -> bool:
     """Whether this rank takes part in gathering the full weights (exports, engine pushes): the first data-parallel
     replica's ranks, and at expert-parallel size > 1 also those holding the other experts, i.e. expert-data-parallel
-    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group)."""
+    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group). With
+    experts at their own TP the ETP x EP group may span dense replicas (TP 4 / ETP 1 x EP 8 on 8 GPUs: expert-DP 1),
+    and then every rank takes part: the other replicas' ranks in the expert gathers, and in their own TP group's."""
     from megatron.core import parallel_state
 
     return parallel_state.get_expert_data_parallel_rank() == 0

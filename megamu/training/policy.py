@@ -272,8 +272,9 @@ class Policy:
     def engine_weights(self, every_node: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
         elsewhere. Collective over rank 0's TP group (and, for an MoE model at EP > 1, the ranks holding the other
-        experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
-        nothing, so no rank but 0 ever holds a full copy.
+        experts): they take part in each gather and drop the tensor at once, and the other data-parallel replicas
+        gather nothing (unless experts at their own TP fold over them: ``parallel.gathers_full_weights``), so no
+        rank but 0 ever holds a full copy.
 
         ``every_node``: on every rank instead, each on its own GPU, for pushes in which each rank hands its copy to
         the server on its GPU (CUDA IPC handles, rank_push.py). Then every replica gathers, each within its own TP

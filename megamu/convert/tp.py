@@ -4,7 +4,7 @@ Works for anything shaped like a parameter (weights, Adam's exp_avg / exp_avg_sq
 MoE experts are also split over expert-parallel ranks, whole experts each: megatron's SequentialMLP numbers them
 locally (``local_experts.<j>``, j < E / EP on every rank), canonical names carry the global index. Each expert is
 split over its own expert-TP group (``--expert-tensor-parallel-size``, megatron-core's ETP: the TP group unless
-given), formed apart from the dense TP group (parallel_state.py:1199-1208).
+given), formed apart from the dense TP group (parallel_state.py:1205).
 """
 
 from __future__ import annotations

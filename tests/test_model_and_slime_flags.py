@@ -250,3 +250,16 @@ def test_moe_flags_that_agree_change_nothing_and_a_dense_model_ignores_them(tmp_
     assert run(tmp_path, "Qwen3-30B-A3B", "--moe-layer-freq", "[1]*48") == run(tmp_path, "Qwen3-30B-A3B")
     assert run(tmp_path, "Qwen3-4B", "--moe-layer-freq", "2", "--moe-router-score-function", "sigmoid") == \
         run(tmp_path, "Qwen3-4B")
+
+
+def test_experts_at_their_own_tp_are_refused_on_a_cpu_run(tmp_path, monkeypatch):
+    """As EP: the dispatchers gather over ETP x EP through a gather that allocates on CUDA (mappings.py:141)."""
+    from megamu.runtime.device import Device
+    from tests.tiny import save_tiny_model
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    hf = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=1, vocab_size=300)
+    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size: 2 .TP 1.: megatron-core runs experts at "
+                                         "their own TP on CUDA only"):
+        parse_args(["--hf-checkpoint", str(hf), "--save", str(tmp_path / "run"), "--num-stages", "2",
+                    "--expert-tensor-parallel-size", "2"], device=Device("cpu"))

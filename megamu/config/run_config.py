@@ -98,6 +98,12 @@ class RunConfig:
             # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
             raise ConfigError("expert_model_parallel_size", f"{self.expert_model_parallel_size}: megatron-core runs "
                               "expert parallelism on CUDA only")
+        etp = self.expert_tensor_parallel_size
+        if etp not in (None, self.tensor_model_parallel_size) and not self.device.is_cuda and not self.dry_run:
+            # the dispatchers gather tokens over ETP x EP (transformer/moe/token_dispatcher.py:74) through the same
+            # CUDA-allocating gather (tensor_parallel/mappings.py:141); TP > 1 with MoE needs SP, CUDA only too
+            raise ConfigError("expert_tensor_parallel_size", f"{etp} (TP {self.tensor_model_parallel_size}): "
+                              "megatron-core runs experts at their own TP on CUDA only")
         if self.policy.sequence_parallel:
             self._check_sequence_parallel()
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:

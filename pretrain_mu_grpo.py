@@ -50,7 +50,8 @@ def train(cfg) -> None:
         torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
     parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
                               distributed_timeout_minutes=cfg.distributed_timeout_minutes,
-                              expert_model_parallel_size=cfg.expert_model_parallel_size)
+                              expert_model_parallel_size=cfg.expert_model_parallel_size,
+                              expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
     from megamu.loop.async_ import train_async
     from megamu.loop.staged import train_staged
     from megamu.loop.trainer import Trainer

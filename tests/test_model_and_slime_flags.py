@@ -139,18 +139,26 @@ def test_slime_values_megamu_cannot_honour_name_megamus_equivalent(tmp_path, bad
     assert message in str(e.value)
 
 
-def test_expert_tensor_parallel_size_is_free_for_a_dense_model_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    dense = run(tmp_path, "Qwen3-4B", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
-    assert dense.tensor_model_parallel_size == 2
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text((HF / "Qwen3-4B" / "config.json").read_text().replace(
-        '"model_type": "qwen3"', '"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, '
-                                 '"moe_intermediate_size": 768'))
-    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size: 1: megamu splits each expert"):
-        parse_args(["--save", str(tmp_path / "r"), "--hf-checkpoint", str(moe), "--num-stages", "2", "--dry-run",
-                    "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
+def test_expert_tensor_parallel_size_is_the_experts_own_and_must_fit_the_world(tmp_path, monkeypatch):
+    """megatron-core's parallel folding (parallel_state.py:786-805): experts at ETP x EP x EDP over the same world as
+    the dense TP x DP; ETP = TP unless given. Qwen3-30B-A3B's real config (tests/fixtures/hf)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    model = "Qwen3-30B-A3B"
+    cfg = run(tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--bf16")
+    layout = (cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size)
+    assert layout == (2, 2, 1)
+    assert (cfg.memory.tp, cfg.memory.dp, cfg.memory.ep, cfg.memory.expert_tp, cfg.memory.expert_dp) == (2, 2, 2, 1, 2)
+    # TP 2 x EP 4 = 8 does not divide 4 ranks, but ETP 1 x EP 4 does: the experts fold over the TP ranks
+    cfg = run(tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1", "--bf16")
+    assert cfg.memory.expert_dp == 1
+    assert "--expert-model-parallel-size: ETP x EP = 2 x 4 = 8 does not divide world size 4 (ETP is " \
+           "--tensor-model-parallel-size 2 unless" in refused(
+               tmp_path, model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+               "--expert-model-parallel-size", "4", "--bf16")
+    assert "--expert-tensor-parallel-size: ETP x EP = 4 x 2 = 8 does not divide world size 4" in refused(
+        tmp_path, model, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "4", "--bf16")
 
 
 def test_actor_layout_is_the_dry_runs_world_and_checked_under_torchrun(tmp_path, monkeypatch):
@@ -208,3 +216,50 @@ def test_a_hub_id_is_read_from_the_local_hf_cache_only(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit, match="--hf-checkpoint: Qwen/Qwen3-8B is neither a folder here nor in the local "
                                          "HF cache .*huggingface-cli download Qwen/Qwen3-8B"):
         parse_args(["--save", str(tmp_path / "run"), "--hf-checkpoint", "Qwen/Qwen3-8B", "--num-stages", "2"])
+
+
+def test_moe_layer_freq_reads_both_of_megatron_lms_forms():
+    """megatron-core turns an integer N into one MoE layer every N, from layer 0 (models/gpt/gpt_layer_specs.py:583-586,
+    pinned below); a list expression is evaluated as Python by Megatron-LM, here read without eval."""
+    import inspect
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megamu.arguments.model_args import moe_layer_pattern
+
+    source = inspect.getsource(gpt_layer_specs)
+    assert "1 if (i % config.moe_layer_freq == 0) else 0 for i in range(config.num_layers)" in source
+    assert moe_layer_pattern("2", 5) == [1, 0, 1, 0, 1]
+    assert moe_layer_pattern("([1]*3+[0])*2", 8) == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert moe_layer_pattern("[1,1,1]", 3) == [1, 1, 1]
+    for bad in ("[1,2,1]", "__import__('os')", "0", "[1]*2"):
+        with pytest.raises(SystemExit, match="--moe-layer-freq"):
+            moe_layer_pattern(bad, 3)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--moe-layer-freq", "2", "--moe-layer-freq: 2 makes layers [1, 3, 5"),
+    ("--moe-layer-freq", "[1]*47", "--moe-layer-freq: '[1]*47' must give one 0 or 1 per layer (48 layers)"),
+    ("--moe-router-score-function", "sigmoid", "--moe-router-score-function: sigmoid contradicts"),
+])
+def test_moe_flags_that_contradict_the_config_are_refused(tmp_path, flag, value, message):
+    assert message in refused(tmp_path, "Qwen3-30B-A3B", flag, value)
+
+
+def test_moe_flags_that_agree_change_nothing_and_a_dense_model_ignores_them(tmp_path):
+    assert run(tmp_path, "Qwen3-30B-A3B", "--moe-layer-freq", "[1]*48") == run(tmp_path, "Qwen3-30B-A3B")
+    assert run(tmp_path, "Qwen3-4B", "--moe-layer-freq", "2", "--moe-router-score-function", "sigmoid") == \
+        run(tmp_path, "Qwen3-4B")
+
+
+def test_experts_at_their_own_tp_are_refused_on_a_cpu_run(tmp_path, monkeypatch):
+    """As EP: the dispatchers gather over ETP x EP through a gather that allocates on CUDA (mappings.py:141)."""
+    from megamu.runtime.device import Device
+    from tests.tiny import save_tiny_model
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    hf = save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=1, vocab_size=300)
+    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size: 2 .TP 1.: megatron-core runs experts at "
+                                         "their own TP on CUDA only"):
+        parse_args(["--hf-checkpoint", str(hf), "--save", str(tmp_path / "run"), "--num-stages", "2",
+                    "--expert-tensor-parallel-size", "2"], device=Device("cpu"))

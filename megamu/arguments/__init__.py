@@ -28,11 +28,10 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
-from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments
+from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
 from megamu.arguments.slime import (
     add_slime_arguments,
-    check_expert_tensor_parallel,
     convert_intervals,
     dynamic_micro_batch,
     resolve_precision,
@@ -45,6 +44,7 @@ from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
 from megamu.memory.memory_fixes import fixes
 from megamu.mode import mode_of
+from megamu.model.moe_settings import MoeSettings
 from megamu.rollout import RolloutConfig
 from megamu.runtime.device import Device
 from megamu.training.checkpoint_dirs import TRACKER, latest_checkpoint
@@ -62,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
     add_fields(g, PolicyConfig, ["hf_checkpoint"])
-    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size"])
+    add_fields(g, RunConfig, ["tensor_model_parallel_size", "expert_model_parallel_size",
+                              "expert_tensor_parallel_size"])
     add_fields(g, PolicyConfig, ["transformer_impl", "bf16"])
     add_fields(g, RunConfig, ["seed"])
     add_fields(g, RunConfig, ["distributed_timeout_minutes"])
     add_fields(g, PolicyConfig, ["sequence_parallel", "recompute_granularity", "moe_router_load_balancing_type",
                                  "moe_aux_loss_coeff"])
+    add_fields(g, MoeSettings)
 
     g = p.add_argument_group("optimiser (Megatron names)")
     add_fields(g, OptimizerConfig, ["lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters", "min_lr",
@@ -226,9 +228,15 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     world = world_size(args)
     if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
         _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
-    model_parallel = args.tensor_model_parallel_size * args.expert_model_parallel_size
-    if model_parallel > 0 and world % model_parallel:
-        _error("--expert-model-parallel-size", f"TP x EP = {model_parallel} does not divide world size {world}")
+    # megatron-core's expert groups (parallel_state.py:786-795): ETP x EP x expert-DP = the world, ETP = TP unless given
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    experts = etp * args.expert_model_parallel_size
+    if experts > 0 and world % experts:
+        flag = "--expert-tensor-parallel-size" if args.expert_tensor_parallel_size else "--expert-model-parallel-size"
+        _error(flag, f"ETP x EP = {etp} x {args.expert_model_parallel_size} = {experts} does not divide world size "
+                     f"{world}" + ("" if args.expert_tensor_parallel_size else
+                                   f" (ETP is --tensor-model-parallel-size {etp} unless "
+                                   "--expert-tensor-parallel-size gives the experts their own)"))
     reward_config(args)  # its errors before any path check
     check_paths(args)
     check_device(args, device)
@@ -259,7 +267,6 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_inputs(args, device)
     config = hf_config(args)
     check_model_arguments(args, config)
-    check_expert_tensor_parallel(args, config)
     plan = plan_of(args)
     check_megatron_arguments(args, plan.prompts_per_update)
     notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)
@@ -269,8 +276,11 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     # the values the run stores once (seed, G, response bound, temperature, device, run directory) and what follows
     # from the run (lr_decay_iters, B_train, the built-in rows, ...) are passed down by RunConfig.derive
     optimizer = _config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))
+    moe = _config(MoeSettings, at="policy.moe", **field_values(MoeSettings, args))
+    if (args.transformer_impl or device.transformer_impl) == "local" and not args.dry_run:
+        notes += moe.cpu_fallbacks()
     policy = _config(
-        PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer,
+        PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer, moe=moe,
         checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
@@ -288,6 +298,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         evaluation=evaluation_config(args), tracker=tracker_config(args), world_size=world_size(args),
         ranks_per_node=gpus_per_node(args))
     _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
+    notes += optimizer_offload_note(args, run.memory)
     if os.environ.get("RANK", "0") == "0":
         for line in notes + servers_note(run, args.sglang_num_servers) + announcements(run, args.interval_unit):
             print(line if line.startswith("warning: ") else f"note: {line}", flush=True)

@@ -99,6 +99,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         else:
             g.add_argument(f.flag, dest=_dest(f), type=f.kind, default=None, help=note,
                            metavar=f.flag.lstrip("-").replace("-", "_").upper())
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default=None,
+                   help="checked against the HF config: Qwen3-MoE's router is a softmax")
+    g.add_argument("--moe-layer-freq", default=None, metavar="N|PATTERN",
+                   help="which layers are MoE, Megatron-LM's two forms (every N-th layer, or a list such as "
+                        "'[1,1,0]' / '([1]*3+[0])*2'): checked against the HF config (Qwen3-MoE: every layer)")
     g.add_argument("--seq-length", type=int, default=None,
                    help="Megatron-LM's sequence length: megamu's rows are --max-prompt-length + "
                         "--rollout-max-response-len tokens; checked to fit max_position_embeddings")
@@ -128,11 +133,12 @@ def _same(a, b) -> bool:
 def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> None:
     """Refuse what megamu never builds, then (config readable) every model flag that contradicts the HF config."""
     given = given_model_flags(args)
+    moe_given = args.moe_router_score_function is not None or args.moe_layer_freq is not None
     for flag, value in given.items():
         if flag in ONLY_VALUE and not _same(value, ONLY_VALUE[flag][0]):
             supported, why = ONLY_VALUE[flag]
             _error(flag, f"{value} is not supported: {why} (give {supported} or drop the flag)")
-    if not given and args.seq_length is None:
+    if not given and args.seq_length is None and not moe_given:
         return
     if hf_config is None:
         print("warning: model flags (--num-layers, ...) not checked: --hf-checkpoint's config.json is not readable "
@@ -159,6 +165,8 @@ def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> N
             reading = f" (Megatron-LM then builds {f.key}={stated})" if shown in (True, "absent") else ""
             hf = f"{f.hf} = {hf_config[f.hf]}" if f.hf in hf_config else f"{f.hf}, i.e. {f.key}={want}"
             _error(f.flag, f"{'given' if shown is True else shown}{reading} contradicts {where}: {hf}")
+    if arch.num_experts:  # a dense model has no router and no MoE layers: Megatron-LM ignores both flags there
+        _check_moe_layout(args, arch, where)
     if args.seq_length is not None and args.seq_length > arch.max_position_embeddings:
         _error("--seq-length", f"{args.seq_length} exceeds {where}: max_position_embeddings="
                                f"{arch.max_position_embeddings}")
@@ -183,3 +191,54 @@ def resolve_hf_checkpoint(args: argparse.Namespace) -> None:
         if not args.dry_run:
             _error("--hf-checkpoint", message)
         print(f"warning: --hf-checkpoint: {message} (ignored by --dry-run)", flush=True)
+
+
+def moe_layer_pattern(value: str, num_layers: int) -> list[int]:
+    """Megatron-LM's ``--moe-layer-freq`` as the 0/1 list of MoE layers. Its two forms (``moe_freq_type``,
+    megatron/training/arguments.py): an integer N, one MoE layer every N (layer i when i % N == 0, megatron-core
+    ``models/gpt/gpt_layer_specs.py:583-586``), or a Python list expression such as ``[1,1,0]`` or
+    ``([1]*3+[0])*2`` that Megatron-LM evaluates; megamu reads such expressions itself (lists of 0/1, + and * by an
+    integer only), and the list must have one entry per layer (gpt_layer_specs.py:589)."""
+    import ast
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    text = value.strip()
+    try:
+        if "[" not in text:
+            n = int(text)
+            if n < 1:
+                raise ValueError(text)
+            return [int(i % n == 0) for i in range(num_layers)]
+        pattern = ev(ast.parse(text, mode="eval"))
+    except (ValueError, SyntaxError, TypeError):
+        _error("--moe-layer-freq", f"{value!r} is neither an integer N >= 1 nor a list of 0/1 such as '[1,0,1]' or "
+                                   "'([1]*3+[0])*2'")
+    if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern) or len(pattern) != num_layers:
+        _error("--moe-layer-freq", f"{value!r} must give one 0 or 1 per layer ({num_layers} layers), got {pattern}")
+    return pattern
+
+
+def _check_moe_layout(args: argparse.Namespace, arch: ModelArch, where: str) -> None:
+    """The router's score function and the MoE layers are the HF config's: Qwen3-MoE softmaxes its router logits
+    (transformers' Qwen3MoeSparseMoeBlock) and has every layer sparse (decoder_sparse_step 1, no mlp_only_layers:
+    ModelArch refuses other configs)."""
+    if args.moe_router_score_function not in (None, "softmax"):
+        _error("--moe-router-score-function", f"{args.moe_router_score_function} contradicts {where}: model_type "
+                                              f"{arch.family} routes with a softmax (give softmax or drop the flag)")
+    if args.moe_layer_freq is not None:
+        pattern = moe_layer_pattern(args.moe_layer_freq, arch.num_layers)
+        dense = [i for i, x in enumerate(pattern) if not x]
+        if dense:
+            _error("--moe-layer-freq", f"{args.moe_layer_freq} makes layers {dense} dense, which contradicts {where}: "
+                                       "every layer is MoE (decoder_sparse_step 1, mlp_only_layers [])")

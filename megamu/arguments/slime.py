@@ -72,9 +72,6 @@ def add_slime_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eps-clip-high", type=float, default=None, help="--clip-high")
     g.add_argument("--fp16", action="store_true",
                    help="refused: megamu trains in bf16 (a slime launch's default on GPUs) or fp32, never fp16")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="megamu splits each expert over the tensor-parallel ranks: --tensor-model-parallel-size (any "
-                        "value for a dense model, which has no experts)")
     g.add_argument("--recompute-method", default=None, help="uniform only, with --recompute-granularity full")
     g.add_argument("--recompute-num-layers", type=int, default=None, help="1 only (one layer per checkpoint)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
@@ -248,19 +245,6 @@ def _checked_values(args: argparse.Namespace, notes: list[str]) -> None:
     if args.recompute_num_layers not in (None, 1):
         _error("--recompute-num-layers", f"{args.recompute_num_layers}: megamu checkpoints one layer at a time "
                                          "(give 1)")
-
-
-def check_expert_tensor_parallel(args: argparse.Namespace, hf_config: dict | None) -> None:
-    """slime's --expert-tensor-parallel-size: megamu's experts are split over TP (megatron-core's default)."""
-    etp = args.expert_tensor_parallel_size
-    if etp is None or etp == args.tensor_model_parallel_size:
-        return
-    experts = (hf_config or {}).get("num_experts") or (hf_config or {}).get("num_local_experts")
-    if hf_config is not None and not experts:
-        return  # a dense model has no experts to split: the flag changes nothing
-    _error("--expert-tensor-parallel-size", f"{etp}: megamu splits each expert over the tensor-parallel ranks, "
-                                            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
-                                            "(give that value or drop the flag)")
 
 
 def convert_intervals(args: argparse.Namespace, mu: int, is_async: bool) -> list[str]:

@@ -62,6 +62,11 @@ class RunConfig:
     expert_model_parallel_size: int = flag("--expert-model-parallel-size", default=1, type=int, help=(
         "mixture-of-experts models: experts split over this many ranks (their count and top-k come from the HF "
         "config); GPU only, megatron-core runs expert parallelism on CUDA only"))
+    # megatron-core's MoE parallel folding (parallel_state.py:786-805): the experts' own TP size; the expert groups,
+    # ETP x EP x expert-DP, are formed over the same world as the dense TP x DP ones, independently of them
+    expert_tensor_parallel_size: int | None = flag("--expert-tensor-parallel-size", default=None, type=int, help=(
+        "mixture-of-experts models: each expert split over this many ranks, independently of "
+        "--tensor-model-parallel-size (default: the TP size, megatron-core's); ETP x EP must divide the world"))
     distributed_timeout_minutes: float | None = flag("--distributed-timeout-minutes", default=None, type=float, help=(
         "timeout of the training collectives (default: torch's, 10 minutes for NCCL); the waits during rank 0's "
         "rollout are on the CPU and not bound by it"))
@@ -86,13 +91,19 @@ class RunConfig:
         if (self.async_ is not None) != self.plan.is_async:
             raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
         self.derive()
-        check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads",
-                       "world_size", "ranks_per_node")
+        check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                       "log_interval", "cpu_threads", "world_size", "ranks_per_node")
         if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
             # megatron-core 0.16.1's allgather dispatcher gathers the tokens over TP x EP into a CUDA tensor
             # (tensor_parallel/mappings.py:141); its alltoall dispatcher creates a CUDA stream (token_dispatcher.py:445)
             raise ConfigError("expert_model_parallel_size", f"{self.expert_model_parallel_size}: megatron-core runs "
                               "expert parallelism on CUDA only")
+        etp = self.expert_tensor_parallel_size
+        if etp not in (None, self.tensor_model_parallel_size) and not self.device.is_cuda and not self.dry_run:
+            # the dispatchers gather tokens over ETP x EP (transformer/moe/token_dispatcher.py:74) through the same
+            # CUDA-allocating gather (tensor_parallel/mappings.py:141); TP > 1 with MoE needs SP, CUDA only too
+            raise ConfigError("expert_tensor_parallel_size", f"{etp} (TP {self.tensor_model_parallel_size}): "
+                              "megatron-core runs experts at their own TP on CUDA only")
         if self.policy.sequence_parallel:
             self._check_sequence_parallel()
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
@@ -291,6 +302,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         return None
     policy, engine, plan, prompts = run.policy, run.engine, run.plan, run.prompts
     tp, ep, world = run.tensor_model_parallel_size, run.expert_model_parallel_size, run.world_size
+    etp = run.expert_tensor_parallel_size or tp
     try:
         model = ModelShape.from_hf_config(model_config)
     except ConfigError as e:
@@ -304,7 +316,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         model=model, micro_batch_size=policy.micro_batch_size,
         max_tokens_per_micro_batch=policy.max_tokens_per_micro_batch,
         max_seq_len=prompts.max_prompt_length + plan.max_response_len, max_response_len=plan.max_response_len,
-        params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, ep=ep, dp=max(1, world // tp),
+        params_dtype="bf16" if policy.bf16 else "fp32", tp=tp, ep=ep, etp=etp, dp=max(1, world // tp),
         recompute_granularity=policy.recompute_granularity, sequence_parallel=policy.sequence_parallel,
         transformer_impl=policy.transformer_impl or "transformer_engine", rollout_mode=plan.rollout_mode,
         offload_train=policy.offload_train, servers_per_gpu=max(1, servers // max(world, 1)),

@@ -2,7 +2,9 @@
 
 Works for anything shaped like a parameter (weights, Adam's exp_avg / exp_avg_sq), keyed by the canonical name.
 MoE experts are also split over expert-parallel ranks, whole experts each: megatron's SequentialMLP numbers them
-locally (``local_experts.<j>``, j < E / EP on every rank), canonical names carry the global index.
+locally (``local_experts.<j>``, j < E / EP on every rank), canonical names carry the global index. Each expert is
+split over its own expert-TP group (``--expert-tensor-parallel-size``, megatron-core's ETP: the TP group unless
+given), formed apart from the dense TP group (parallel_state.py:1205).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from megamu.model.config import ModelArch, padded_vocab_size
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")  # column-parallel, whole KV groups
-# MoE experts (mlp.experts.local_experts.<j>.linear_fc*) are sharded over the expert-TP group like a dense MLP;
-# megatron's expert TP size defaults to the TP size (parallel_state.py:786), the only setting megamu builds
+# MoE experts (mlp.experts.local_experts.<j>.linear_fc*) are sharded over the expert-TP group like a dense MLP
+# (megatron's expert TP size defaults to the TP size, parallel_state.py:786; ``_tp_of`` picks the group)
 _GLU = ("linear_fc1.weight",)  # column-parallel; each rank holds [gate_r; up_r]
 _COLS = ("linear_proj.weight", "linear_fc2.weight")  # row-parallel: input dim split
 _REPLICATED = ("layernorm.weight", "layer_norm_weight", "mlp.router.weight")  # router: every rank holds all of it
@@ -51,21 +53,32 @@ def shard_tensor(name: str, full: torch.Tensor, arch: ModelArch, tp_rank: int, t
     return torch.cat((gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]))
 
 
+def _tp_of(name: str) -> tuple[int, int, object]:
+    """(rank, size, group) of the tensor-parallel group ``name`` is split over: an expert's own expert-TP group
+    (megatron-core's ETP, ``--expert-tensor-parallel-size``), else the dense TP group."""
+    from megatron.core import parallel_state as ps
+
+    if _LOCAL_EXPERT.search(name):
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
+
+
 def gather_tensor(name: str, local: torch.Tensor, arch: ModelArch) -> torch.Tensor:
-    """The canonical full tensor from every TP rank's ``local`` slice (a collective over the TP group).
+    """The canonical full tensor from every TP rank's ``local`` slice (a collective over the TP group; an expert's:
+    over its expert-TP group).
 
     At TP=1 (and for replicated tensors) the result is a view of ``local``, not a copy: clone before mutating it."""
-    from megatron.core import parallel_state
-
     kind = _kind(name)
     local = local.detach()
     if kind == "rep":
         return local
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    _, tp, group = _tp_of(name)
     if tp == 1:  # no copy: the layouts coincide, only vocab padding goes
         return local[: arch.vocab_size] if kind == "vocab" else local
     parts = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(parts, local.contiguous(), group=group)
     if kind == "vocab":
         return torch.cat(parts)[: arch.vocab_size]
     if kind == "rows":
@@ -128,10 +141,6 @@ def load_full_state_dict(
 ) -> None:
     """Copy canonical tensors into the (TP-sharded) model; ``names`` (all available tensors) enables the unexpected
     check. Raises KeyError naming missing/unexpected tensors and the family, ValueError on shape mismatch."""
-    from megatron.core import parallel_state
-
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    size = parallel_state.get_tensor_model_parallel_world_size()
     ep_rank, ep = _ep()
     missing, loaded, elsewhere = [], set(), set()  # elsewhere: other expert-parallel ranks' experts
     for local_name, p in _named_parameters(model):
@@ -143,10 +152,12 @@ def load_full_state_dict(
         except KeyError:
             missing.append(name)
             continue
+        rank, size, _ = _tp_of(name)
         local = shard_tensor(name, full, arch, rank, size)
         if local.shape != p.shape:
+            what = "expert-TP" if _LOCAL_EXPERT.search(name) else "TP"
             raise ValueError(f"{arch.family} tensor {name}: checkpoint gives local shape {tuple(local.shape)} at "
-                             f"TP rank {rank}/{size}, model has {tuple(p.shape)}")
+                             f"{what} rank {rank}/{size}, model has {tuple(p.shape)}")
         p.copy_(local)
         loaded.add(name)
     unexpected = sorted(set(names) - loaded - elsewhere) if names is not None else []

@@ -78,7 +78,8 @@ class MemoryPlanConfig:
     max_response_len: int | None = None  # scored positions per row (train_step scores responses); None: max_seq_len
     params_dtype: str = "bf16"
     tp: int = 1
-    ep: int = 1  # expert-parallel size (MoE): experts split over ep ranks, expert-data-parallel size dp / ep
+    ep: int = 1  # expert-parallel size (MoE): experts split over ep ranks, expert-data-parallel size tp dp / (etp ep)
+    etp: int | None = None  # expert-TP size (MoE): each expert split over etp ranks; None: tp (megatron's default)
     dp: int = 1
     distributed_optimizer: bool = True
     recompute_granularity: str | None = None
@@ -129,14 +130,19 @@ class MemoryPlanConfig:
             raise ConfigError("transformer_impl", f"{self.transformer_impl!r}: expected one of {IMPLS}")
         mode = mode_of(self.rollout_mode)  # ConfigError for a name that is no mode
         m = self.model
-        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "moe_ffn_hidden_size"):  # whole KV groups
+        for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):  # whole KV groups
             if getattr(m, name) % self.tp:
                 raise ConfigError("tp", f"{self.tp} does not divide the model's {name}={getattr(m, name)}")
         if self.ep > 1 and not m.num_experts:
             raise ConfigError("ep", f"{self.ep}: expert parallelism needs a mixture-of-experts model")
-        if m.num_experts % self.ep or self.dp % self.ep:
-            raise ConfigError("ep", f"{self.ep} must divide num_experts={m.num_experts} and the data-parallel size "
-                                    f"{self.dp} (megatron's expert-data-parallel size is dp / ep)")
+        require_positive("etp", self.expert_tp)
+        if m.num_experts and m.moe_ffn_hidden_size % self.expert_tp:
+            raise ConfigError("etp", f"{self.expert_tp} does not divide the model's moe_ffn_hidden_size="
+                                     f"{m.moe_ffn_hidden_size}")
+        if m.num_experts % self.ep or (self.tp * self.dp) % (self.expert_tp * self.ep):
+            raise ConfigError("ep", f"{self.ep} must divide num_experts={m.num_experts}, and ETP x EP = "
+                                    f"{self.expert_tp} x {self.ep} the world TP x DP = {self.tp * self.dp} "
+                                    "(megatron's expert-data-parallel size is the world / (ETP x EP))")
         if m.num_kv_heads % self.server_tp and self.server_tp % m.num_kv_heads:
             raise ConfigError("server_tp", f"{self.server_tp} does not split num_kv_heads={m.num_kv_heads}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -154,6 +160,15 @@ class MemoryPlanConfig:
         if self.release_during_training and not mode.shares_trainer_devices:
             raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
                               f"(rollout_mode={self.rollout_mode!r})")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """megatron's expert-data-parallel size: the world over ETP x EP (parallel_state.py:791)."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def scored_len(self) -> int:
@@ -290,8 +305,9 @@ class MemoryPlan:
         width = max(len(r.part) for r in self._rows) + 4
         c = self.config
         sp = " + SP" if c.sequence_parallel else ""
-        layout = f"TP {c.tp}{sp} x DP {c.dp}" + (f", EP {c.ep} ({c.model.num_experts // c.ep} of {c.model.num_experts} "
-                                                 f"experts per GPU)" if c.model.num_experts else "")
+        etp = f", ETP {c.expert_tp} x EDP {c.expert_dp}" if c.expert_tp != c.tp else ""  # experts' own TP
+        experts = f", EP {c.ep}{etp} ({c.model.num_experts // c.ep} of {c.model.num_experts} experts per GPU)"
+        layout = f"TP {c.tp}{sp} x DP {c.dp}" + (experts if c.model.num_experts else "")
         batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
             f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
             + f"{c.micro_batch_size} rows x {c.max_seq_len})")
@@ -351,9 +367,9 @@ def _trainer_state(c: MemoryPlanConfig) -> _TrainerState:
     m, e = c.model, DTYPE_BYTES[c.params_dtype]
     split, whole = m.param_counts(c.tp, padded_vocab(m.vocab_size, c.tp))
     dense_local = split // c.tp + whole
-    expert_local = m.expert_params() // (c.tp * c.ep)
+    expert_local = m.expert_params() // (c.expert_tp * c.ep)
     n_local = dense_local + expert_local  # parameters on one trainer rank
-    dp_shard, edp_shard = (c.dp, c.dp // c.ep) if c.distributed_optimizer else (1, 1)
+    dp_shard, edp_shard = (c.dp, c.expert_dp) if c.distributed_optimizer else (1, 1)
 
     def sharded(bytes_per_param: int) -> int:
         return dense_local * bytes_per_param // dp_shard + expert_local * bytes_per_param // edp_shard

@@ -139,7 +139,7 @@ class HostPlan:
             "has more RAM than was read"))
 
 
-def param_tensor_numels(m, tp: int, ep: int) -> tuple[list[int], list[int]]:
+def param_tensor_numels(m, tp: int, ep: int, etp: int | None = None) -> tuple[list[int], list[int]]:
     """(dense, expert) parameter tensors on one trainer rank, as numels: what megatron's optimiser keeps one main
     param and two moments for. ``m``: a ``megamu.memory.model_shape.ModelShape``; the vocab as megatron pads it."""
     from megamu.memory.model_shape import padded_vocab
@@ -152,7 +152,8 @@ def param_tensor_numels(m, tp: int, ep: int) -> tuple[list[int], list[int]]:
     vocab = padded_vocab(m.vocab_size, tp) // tp * h
     dense = layer * m.num_layers + [vocab] * (1 if m.tie_embeddings else 2) + [h]
     fe = m.moe_ffn_hidden_size
-    experts = [2 * fe * h // tp, fe * h // tp] * (m.num_layers * m.num_experts // ep) if m.num_experts else []
+    et = tp if etp is None else etp  # each expert split over the expert-TP ranks
+    experts = [2 * fe * h // et, fe * h // et] * (m.num_layers * m.num_experts // ep) if m.num_experts else []
     return dense, experts
 
 
@@ -179,7 +180,7 @@ def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
 
     r = c.ranks_per_node
     e = DTYPE_BYTES[c.params_dtype]
-    dense, experts = param_tensor_numels(c.model, c.tp, c.ep)
+    dense, experts = param_tensor_numels(c.model, c.tp, c.ep, c.expert_tp)
     A = HostPlan.ALWAYS
     rows = [HostRow(A, f"trainer processes ({r} x {TRAINER_PROCESS_HOST_GIB:g} GiB, estimate)",
                     int(r * TRAINER_PROCESS_HOST_GIB * GIB))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megamu.model.config import ModelArch, padded_vocab_size, transformer_config
+from megamu.model.moe_settings import MoeSettings
 from megamu.model.spec import decoder_spec, finalize, position_embedding_kwargs
 from megamu.runtime.device import CPU, Device
 
@@ -20,6 +21,7 @@ def build_model(
     recompute_granularity: str | None = None,
     load_balancing: tuple[str, float] = ("none", 0.0),
     sequence_parallel: bool = False,
+    moe: MoeSettings | None = None,
 ):
     """A GPTModel (pre/post process, vocab-parallel logits [b, s, V_padded/TP]), randomly initialised unless
     perform_initialization=False (weights left uninitialised, about to be loaded: much faster for big models).
@@ -28,6 +30,7 @@ def build_model(
     ``moe_config_fields``.
     ``sequence_parallel``: megatron-core's sequence parallelism (TP > 1; CUDA, or a CPU test process with
     tests/cpu_cuda_shim.py: megamu.config.run_config refuses it on CPU runs).
+    ``moe``: the launch's Megatron-LM MoE settings (megamu.model.moe_settings; the device's where it lacks them).
     ``transformer_impl`` defaults to the device's (see megamu.runtime.device)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -41,7 +44,8 @@ def build_model(
                                 bf16=bf16, transformer_impl=transformer_impl,
                                 perform_initialization=perform_initialization,
                                 recompute_granularity=recompute_granularity, load_balancing=load_balancing,
-                                use_cpu_initialization=not device.is_cuda, sequence_parallel=sequence_parallel)
+                                use_cpu_initialization=not device.is_cuda, sequence_parallel=sequence_parallel,
+                                moe=moe)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(arch, transformer_impl),

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megamu.errors import ConfigError
+from megamu.model.moe_settings import MoeSettings
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -222,12 +223,16 @@ def check_load_balancing(kind: str, coeff: float) -> None:
                                                 "with a type, 0 with none")
 
 
-def moe_config_fields(arch: ModelArch, transformer_impl: str, load_balancing: tuple[str, float] = ("none", 0.0)
-                      ) -> dict:
-    """TransformerConfig fields of an MoE arch (none for a dense one)."""
+def moe_config_fields(arch: ModelArch, transformer_impl: str, load_balancing: tuple[str, float] = ("none", 0.0),
+                      settings: MoeSettings | None = None) -> dict:
+    """TransformerConfig fields of an MoE arch (none for a dense one). ``settings``: the launch's Megatron-LM MoE flags
+    (megamu.model.moe_settings); where the device's layers lack a kernel they ask for (``moe_impl``: no grouped GEMM
+    means the CPU spec), the device's choice stands."""
     if not arch.num_experts:
         return {}
     impl = moe_impl(transformer_impl)
+    s = settings or MoeSettings()
+    gpu_kernels = impl.grouped_gemm  # Transformer Engine's layers: its fused permutation and CUDA streams are there
     return {
         "num_moe_experts": arch.num_experts,
         "moe_router_topk": arch.moe_top_k,
@@ -236,9 +241,12 @@ def moe_config_fields(arch: ModelArch, transformer_impl: str, load_balancing: tu
         "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
         "moe_router_load_balancing_type": load_balancing[0],
         "moe_aux_loss_coeff": load_balancing[1],
-        "moe_router_dtype": "fp32",  # HF's Qwen3-MoE softmaxes the router logits in fp32
+        "moe_router_dtype": s.router_dtype,
+        "moe_token_drop_policy": s.token_drop_policy,
         "moe_grouped_gemm": impl.grouped_gemm,
-        "moe_token_dispatcher_type": impl.token_dispatcher,
+        "moe_token_dispatcher_type": s.token_dispatcher_type if gpu_kernels and s.token_dispatcher_type
+        else impl.token_dispatcher,
+        "moe_permute_fusion": s.permute_fusion and gpu_kernels,
     }
 
 
@@ -267,6 +275,7 @@ def transformer_config(
     use_cpu_initialization: bool = True,
     load_balancing: tuple[str, float] = ("none", 0.0),
     sequence_parallel: bool = False,
+    moe: MoeSettings | None = None,
 ):
     from megatron.core.transformer import TransformerConfig
 
@@ -303,5 +312,5 @@ def transformer_config(
         use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
         **fusion_fields(transformer_impl),
-        **moe_config_fields(arch, transformer_impl, load_balancing),
+        **moe_config_fields(arch, transformer_impl, load_balancing, moe),
     )

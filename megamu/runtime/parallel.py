@@ -22,9 +22,11 @@ _device: Device = CPU  # set by init_distributed: the device this process trains
 def init_distributed(
     tensor_model_parallel_size: int = 1, seed: int = 0, device: Device = CPU,
     distributed_timeout_minutes: float | None = None, expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> None:
     """Create the default process group and megatron's TP/DP groups (and expert-parallel groups of
-    ``expert_model_parallel_size`` ranks, for MoE models), then seed the RNGs. Safe to call twice.
+    ``expert_model_parallel_size`` ranks, for MoE models, each expert split over ``expert_tensor_parallel_size``
+    ranks: the TP size when None), then seed the RNGs. Safe to call twice.
 
     ``distributed_timeout_minutes`` (fractions allowed) bounds every
     collective of those groups; None keeps torch's default (10 minutes for NCCL). Waits longer than that, such as
@@ -67,10 +69,13 @@ def init_distributed(
     if tp < 1 or world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
     # megatron gives its TP/DP groups their own timeout (30 minutes unless told): the same one as the default group
-    ep = int(expert_model_parallel_size)
-    if ep < 1 or world % (tp * ep):
-        raise ValueError(f"world size {world} is not divisible by TP x EP = {tp} x {ep}")
+    # megatron-core's expert groups: ETP x EP x expert-DP over the whole world, apart from the dense TP x DP ones
+    # (parallel_state.py:786-805)
+    ep, etp = int(expert_model_parallel_size), int(expert_tensor_parallel_size or tp)
+    if ep < 1 or etp < 1 or world % (etp * ep):
+        raise ValueError(f"world size {world} is not divisible by ETP x EP = {etp} x {ep}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp,
                                              **_megatron_timeout(distributed_timeout_minutes))
     torch.manual_seed(seed)
     # megatron's default tracker reads the CUDA RNG; the inference tracker keeps plain torch RNG states on CPU.
@@ -201,7 +206,9 @@ def dp_group() -> dist.ProcessGroup:
 def gathers_full_weights() -> bool:
     """Whether this rank takes part in gathering the full weights (exports, engine pushes): the first data-parallel
     replica's ranks, and at expert-parallel size > 1 also those holding the other experts, i.e. expert-data-parallel
-    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group)."""
+    rank 0 (the data-parallel rank at EP = 1: the expert-data-parallel group is then the data-parallel group). With
+    experts at their own TP the ETP x EP group may span dense replicas (TP 4 / ETP 1 x EP 8 on 8 GPUs: expert-DP 1),
+    and then every rank takes part: the other replicas' ranks in the expert gathers, and in their own TP group's."""
     from megatron.core import parallel_state
 
     return parallel_state.get_expert_data_parallel_rank() == 0
@@ -226,16 +233,28 @@ def ep_size() -> int:
     return parallel_state.get_expert_model_parallel_world_size()
 
 
-def ep_agreed_count(n: int, device: torch.device) -> int:
-    """The largest ``n`` over this rank's expert-parallel group (``n`` itself at EP 1). Every MoE layer's forward and
-    backward is a collective over that group (the token dispatcher's all-to-all), so its ranks must run the same
-    number of micro-batches even when their data-parallel shares differ."""
-    if ep_size() == 1:
-        return n
+def etp_size() -> int:
+    """megatron-core's expert-TP size: the ranks each expert is split over (the TP size unless given)."""
     from megatron.core import parallel_state
 
+    return parallel_state.get_expert_tensor_parallel_world_size()
+
+
+def ep_agreed_count(n: int, device: torch.device) -> int:
+    """The largest ``n`` over this rank's expert-tensor-and-model-parallel group (ETP x EP ranks; ``n`` itself when
+    that group lies inside the TP group, whose ranks share their data). Every MoE layer's forward and backward is a
+    collective over that group (the alltoall dispatcher's all-to-all over EP and gather over ETP, the allgather
+    dispatcher's gather over both: transformer/moe/token_dispatcher.py, ``tp_ep_group``), and with experts at their
+    own TP it spans data-parallel replicas (TP 4 / ETP 1 x EP 8 on 8 GPUs: all of them), so its ranks must run the
+    same number of micro-batches even when their data-parallel shares differ."""
+    from megatron.core import parallel_state as ps
+
+    group_size = ps.get_expert_tensor_and_model_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if group_size == 1 or (tp % group_size == 0 and ps.get_expert_model_parallel_world_size() == 1):
+        return n
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
     return int(t.item())
 
 

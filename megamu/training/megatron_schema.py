@@ -59,7 +59,7 @@ def megatron_args(arch: ModelArch, iteration: int, optimizer_cfg, *, samples_per
         padded_vocab_size=padded_vocab_size(arch.vocab_size, tp, VOCAB_DIVISIBLE_BY),
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=hf_source_dir,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=parallel.ep_size(),
+        expert_model_parallel_size=parallel.ep_size(), expert_tensor_parallel_size=parallel.etp_size(),
         data_parallel_size=parallel.dp_size(), world_size=world,
         iteration=iteration, consumed_train_samples=iteration * samples_per_update, skipped_train_samples=0,
         consumed_valid_samples=0, train_iters=None,

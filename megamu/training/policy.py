@@ -19,6 +19,7 @@ from megamu.engines.weights import LogprobProbe, Weights
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
 from megamu.model import ModelArch, build_model
 from megamu.model.config import MOE_LOAD_BALANCING, check_load_balancing
+from megamu.model.moe_settings import MoeSettings
 from megamu.rollout.records import RolloutSample
 from megamu.runtime import parallel
 from megamu.runtime.atomic import atomic_write
@@ -108,6 +109,7 @@ class PolicyConfig:
         help="the MoE router's auxiliary load-balancing loss (megatron's; default none)")
     moe_aux_loss_coeff: float = flag("--moe-aux-loss-coeff", default=0.0, type=float,
                                      help="its coefficient (megatron's; > 0 with a load-balancing type)")
+    moe: MoeSettings = field(default_factory=MoeSettings)  # megatron's other MoE settings (Megatron-LM's flags)
 
     def __post_init__(self):
         check_positive(self, "micro_batch_size", "max_tokens_per_micro_batch")
@@ -149,7 +151,7 @@ class Policy:
         self.model = build_model(self.arch, device=cfg.device, transformer_impl=impl, bf16=cfg.bf16,
                                  recompute_granularity=cfg.recompute_granularity,
                                  load_balancing=(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff),
-                                 sequence_parallel=cfg.sequence_parallel)
+                                 sequence_parallel=cfg.sequence_parallel, moe=cfg.moe)
         # a group's prompt packed once before its responses needs a per-row attention mask, which only the local
         # spec's PortableAttention takes; TE's fused attention gets one row per sample
         self.share_prompts = impl == "local"
@@ -167,7 +169,8 @@ class Policy:
         resumes from: --pretrained-checkpoint (slime's --ref-load, an alias), else the initial HF weights."""
         impl = self.cfg.transformer_impl or self.cfg.device.transformer_impl
         model = build_model(self.arch, device=self.cfg.device, transformer_impl=impl, bf16=self.cfg.bf16,
-                            perform_initialization=False, sequence_parallel=self.cfg.sequence_parallel)
+                            perform_initialization=False, sequence_parallel=self.cfg.sequence_parallel,
+                            moe=self.cfg.moe)
         pretrained = self.cfg.checkpoint.pretrained_checkpoint
         if pretrained is not None:
             load_model_checkpoint(pretrained, model)
@@ -269,8 +272,9 @@ class Policy:
     def engine_weights(self, every_node: bool = False) -> dict[str, torch.Tensor] | None:
         """Full HF-named tensors for an in-memory push, in the export dtype, on global rank 0 (which pushes); None
         elsewhere. Collective over rank 0's TP group (and, for an MoE model at EP > 1, the ranks holding the other
-        experts): they take part in each gather and drop the tensor at once, and data-parallel replicas gather
-        nothing, so no rank but 0 ever holds a full copy.
+        experts): they take part in each gather and drop the tensor at once, and the other data-parallel replicas
+        gather nothing (unless experts at their own TP fold over them: ``parallel.gathers_full_weights``), so no
+        rank but 0 ever holds a full copy.
 
         ``every_node``: on every rank instead, each on its own GPU, for pushes in which each rank hands its copy to
         the server on its GPU (CUDA IPC handles, rank_push.py). Then every replica gathers, each within its own TP

@@ -13,6 +13,7 @@ tests/sglang_real/test_push_recovery_upstream.py pins SGLang's facts on the inst
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -219,3 +220,82 @@ def test_the_startup_timeout_is_scaled_to_the_model(tiny_llama):
     assert startup_timeout(SGLangConfig(startup_timeout_s=42.0), tiny_llama) == 42.0
     assert round(load_seconds(57 * 2**30)) == 300 + round(57 * 1024 / 100)
     assert startup_timeout(SGLangConfig(), None) == LOAD_BASE_S
+
+
+# ---- the per-rank push (servers on the trainer's GPUs over several nodes): its retry decisions, on one rank ---------
+
+class FakePusher:
+    """RankPush's place: each rank's push, failing its first ``fails`` calls."""
+
+    def __init__(self, fails: int):
+        self.fails, self.calls = fails, 0
+
+    def push(self, tensors, version) -> int:
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise RuntimeError("http://s:1/update_weights_from_tensor failed: injected")
+        return 8
+
+    def close(self) -> None:
+        pass
+
+
+class FakeRankZeroEngine:
+    """Rank 0's engine after the ranks pushed: it confirms (adopt_weights), reloads from disk, or pushes again."""
+
+    def __init__(self, probe_fails: int = 0, disk_fails: int = 0):
+        self.calls: list[tuple] = []
+        self.probe_fails, self.disk_fails = probe_fails, disk_fails
+
+    def adopt_weights(self, version, probe=None):
+        from megamu.engines.sglang.weight_sync import ProbeMismatch, SyncReport
+
+        self.calls.append(("adopt", str(version), probe is not None))
+        if probe is not None and self.probe_fails:
+            self.probe_fails -= 1
+            raise ProbeMismatch("server http://s:1: server log-probs differ from the trainer's")
+        return SyncReport("confirm", 0.0, str(version), 0, 0.0 if probe is not None else None)
+
+    def update_weights(self, hf_dir=None, state_dict=None, *, version=None, probe=None):
+        from megamu.engines.sglang.weight_sync import SyncReport
+
+        self.calls.append(("disk" if hf_dir is not None else "tensors", str(version), probe is not None))
+        if hf_dir is not None and self.disk_fails:
+            self.disk_fails -= 1
+            raise SGLangError(f"weight update from {hf_dir} on http://s:1: refused: HTTP 400", status=400)
+        return SyncReport("disk" if hf_dir else "memory", 0.0, str(version), 0, 0.0 if probe is not None else None)
+
+
+def _per_rank(tmp_path, tiny_llama, fails: int, probe_fails: int = 0, disk_fails: int = 0):
+    launch = tmp_path / "exports" / "stage_0000"
+    shutil.copytree(tiny_llama, launch)
+    logged: list[tuple[str, dict]] = []
+    lifecycle = ColocatedSGLang(EngineConfig(kind="sglang", sglang=SGLangConfig(
+        urls=["http://s:1"], weight_sync="memory", memory_saver=False)), log=lambda k, **f: logged.append((k, f)))
+    lifecycle.every_node, lifecycle.warm, lifecycle.hf_dir = True, True, launch
+    lifecycle.pusher, lifecycle.engine = FakePusher(fails), FakeRankZeroEngine(probe_fails, disk_fails)
+    probe = LogprobProbe(PROBE_IDS, [0.0] * (len(PROBE_IDS) - 1), tolerance=1e-4)
+    lifecycle.update_weights(Weights(version=K, tensors=_tensors(tiny_llama), probe=probe), K)
+    return lifecycle, [(f["stage"], f["action"]) for k, f in logged if k == "sync_fault"], \
+        [(f["stage"], f["weight_version"]) for k, f in logged if k == "sync"]
+
+
+def test_per_rank_pushes_survive_one_fault_each(tmp_path, tiny_llama):
+    once, faults, syncs = _per_rank(tmp_path / "once", tiny_llama, fails=1)
+    assert once.pusher.calls == 2 and once.engine.calls == [("adopt", "2", True)]
+    assert faults == [(K, "push failed: pushing again")] and syncs == [(K, "2")]
+
+    twice, faults, syncs = _per_rank(tmp_path / "twice", tiny_llama, fails=2)
+    assert twice.pusher.calls == 2 and twice.engine.calls == [("disk", "2", True), ("adopt", "2", False)]
+    assert faults == [(K, "push failed: pushing again"), (K, "push failed again")] and syncs == [(K, "2")]
+    export = tmp_path / "twice" / "exports" / f"{RECOVERY_PREFIX}{K:04d}"
+    assert _tensors(str(export)).keys() == _tensors(tiny_llama).keys()
+
+    probed, faults, syncs = _per_rank(tmp_path / "probe", tiny_llama, fails=0, probe_fails=1)
+    assert probed.engine.calls == [("adopt", "2", True), ("tensors", "2", True)]
+    assert faults == [(K, "probe mismatch: pushing again")] and syncs == [(K, "2")]
+
+
+def test_per_rank_pushes_whose_reload_fails_stop_saying_so(tmp_path, tiny_llama):
+    with pytest.raises(SGLangError, match="failed twice and the servers could not reload the same weights from disk"):
+        _per_rank(tmp_path, tiny_llama, fails=2, disk_fails=1)

@@ -131,6 +131,19 @@ def test_megatron_checkout_survives_megamus_install():
             assert "apex" in step, f"a pip install after the megatron-core pin ignores the constraints: {step}"
 
 
+def test_pip_keeps_an_installed_distribution_only_while_the_specifier_admits_it():
+    """The pip fact the test above rests on, pinned to the venv's pip (26.3) source:
+    pip/_internal/resolution/resolvelib/factory.py:294-297 drops the installed distribution (and installs another)
+    unless ``specifier.contains(installed_version, prereleases=True)``: an installed prerelease counts, one below the
+    bound does not."""
+    import pip._internal.resolution.resolvelib.factory as factory
+
+    lines = [ln.strip() for ln in Path(factory.__file__).read_text().splitlines()]
+    # found by its text (the Makefile upgrades pip: the line moves between releases; 296 in pip 26.3)
+    i = lines.index("if not specifier.contains(installed_dist.version, prereleases=True):")
+    assert "does not fit the current dependency graph" in lines[i - 1] and lines[i + 1] == "return None"
+
+
 def _fake_megatron(tmp_path: Path, version: str, dist_version: str) -> tuple[Path, str]:
     """A git checkout holding `megatron/core` at `version` and a dist-info saying `dist_version`; its commit."""
     import subprocess

@@ -24,7 +24,7 @@ from megamu.engines import EngineConfig, SGLangConfig
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.engines.sglang.launch import LOAD_BASE_S, LOAD_RATE_BYTES_S, load_seconds, model_bytes, startup_timeout
-from megamu.engines.sglang.push_recovery import RECOVERY_PREFIX
+from megamu.engines.sglang.push_recovery import RECOVERY_DIR
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.weights import LogprobProbe, Weights
 from megamu.rollout.dataset import StageDataset
@@ -62,7 +62,9 @@ class Run:
     """Four stages on one schema server: θ_0 = folders[0] loaded at start, θ_k pushed in memory at refresh k."""
 
     def __init__(self, tmp_path: Path, folders: list[str], memory_saver: bool, **cfg):
-        self.tmp, self.folders = tmp_path, folders
+        launch = tmp_path / "exports" / "stage_0000"  # the run's stage-0 export: a recovery folder goes beside it
+        shutil.copytree(folders[0], launch)
+        self.tmp, self.folders = tmp_path, [str(launch), *folders[1:]]
         self.server = SchemaServer(LocalEngine(folders[0]))
         self.server.memory_saver = memory_saver
         sglang = SGLangConfig(urls=[self.server.url], api_key="secret", weight_sync="memory",
@@ -164,7 +166,7 @@ def test_a_push_that_fails_twice_reloads_the_same_weights_from_an_export(tmp_pat
     assert run.faults() == [(K, "push failed: pushing again"),
                             (K, "push failed again: reloading the servers from an HF export of the same weights")]
     assert f"/update_weights_from_disk@{K}" in run.server.calls
-    export = Path(folders[0]).parent / f"{RECOVERY_PREFIX}{K:04d}"
+    export = tmp_path / "exports" / RECOVERY_DIR / f"stage_{K:04d}"
     assert export.is_dir() and (export / "config.json").is_file()
     reloaded = _tensors(str(export))
     want = _tensors(folders[K % 2])
@@ -288,7 +290,7 @@ def test_per_rank_pushes_survive_one_fault_each(tmp_path, tiny_llama):
     twice, faults, syncs = _per_rank(tmp_path / "twice", tiny_llama, fails=2)
     assert twice.pusher.calls == 2 and twice.engine.calls == [("disk", "2", True), ("adopt", "2", False)]
     assert faults == [(K, "push failed: pushing again"), (K, "push failed again")] and syncs == [(K, "2")]
-    export = tmp_path / "twice" / "exports" / f"{RECOVERY_PREFIX}{K:04d}"
+    export = tmp_path / "twice" / "exports" / RECOVERY_DIR / f"stage_{K:04d}"
     assert _tensors(str(export)).keys() == _tensors(tiny_llama).keys()
 
     probed, faults, syncs = _per_rank(tmp_path / "probe", tiny_llama, fails=0, probe_fails=1)

@@ -30,7 +30,7 @@ from megamu.engines.sglang.weight_sync import ProbeMismatch, WeightMismatch
 # RuntimeError for a server reporting another version, OSError/HTTPException for a broken connection. WeightMismatch
 # (a ValueError) is not one: the layout check refuses the same weights every time.
 PUSH_FAULTS = (RuntimeError, OSError, http.client.HTTPException)
-RECOVERY_PREFIX = "recovery_export_"
+RECOVERY_DIR = "sglang_recovery"  # beside the launch export, as sglang_logs/; no config.json: not an export
 
 T = TypeVar("T")
 Note = Callable[[str, BaseException], None]  # (what happened, the error): logged as a "sync_fault" record
@@ -70,13 +70,14 @@ def push_surviving_one_fault(first: Callable[[], T], again: Callable[[], T], res
 
 
 def write_recovery_export(tensors: dict, launch_folder: Path, stage: int) -> Path:
-    """θ_k's HF-named ``tensors`` as an HF folder beside ``launch_folder`` (whose config and tokenizer files it
-    copies; the running servers were launched from it), written to a temporary name and renamed into place; older
-    recovery exports are removed (a restarted server loads the newest, ServerWeights.folder)."""
+    """θ_k's HF-named ``tensors`` as an HF folder ``sglang_recovery/stage_<k>`` beside ``launch_folder`` (whose
+    config and tokenizer files it copies; the running servers were launched from it), written under a temporary name
+    and renamed into place; older recovery folders are removed (a restarted server loads the newest,
+    ServerWeights.folder). tools/evaluate.py --run does not take it for an export (no config.json at its top)."""
     from megamu.convert.io import write_sharded
 
-    parent = launch_folder.parent
-    final, tmp = parent / f"{RECOVERY_PREFIX}{stage:04d}", parent / f".{RECOVERY_PREFIX}{stage:04d}.tmp"
+    parent = launch_folder.parent / RECOVERY_DIR
+    final, tmp = parent / f"stage_{stage:04d}", parent / f".stage_{stage:04d}.tmp"
     for stale in (tmp, final):
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -85,7 +86,7 @@ def write_recovery_export(tensors: dict, launch_folder: Path, stage: int) -> Pat
             shutil.copy2(f, tmp / f.name)
     write_sharded(sorted(tensors.items()), tmp)
     tmp.rename(final)
-    for old in parent.glob(f"{RECOVERY_PREFIX}*"):
+    for old in parent.iterdir():
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final

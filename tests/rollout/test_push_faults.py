@@ -52,7 +52,10 @@ def _teacher_forced(folder: str, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 under the HF model in ``folder`` (transformers, fp64)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64).eval()
+    from megamu.engines import local
+
+    with local._LOAD_LOCK:  # from_pretrained sets torch's default dtype while it loads: not beside a server's load
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
@@ -135,10 +138,9 @@ def _survive(tmp_path, folders, inject, memory_saver: bool) -> Run:
     return run
 
 
-@pytest.mark.parametrize("path,fault", [("/resume_memory_occupation", "sleep:1.5"),
-                                        ("/release_memory_occupation", "503"),
+@pytest.mark.parametrize("path,fault", [("/release_memory_occupation", "503"),
                                         ("/resume_memory_occupation", "drop")])
-def test_a_control_call_that_times_out_or_fails_is_sent_again(tmp_path, folders, path, fault):
+def test_a_control_call_that_fails_is_sent_again(tmp_path, folders, path, fault):
     def inject(server):
         server.path_faults[path] = [fault]
 
@@ -147,6 +149,38 @@ def test_a_control_call_that_times_out_or_fails_is_sent_again(tmp_path, folders,
     # without a fault: a release at each of the 4 stages' ends, two resumes (weights, then the cache) per refresh
     assert len(sent) == {"/release_memory_occupation": 4, "/resume_memory_occupation": 6}[path] + 1
     assert not run.server.path_faults[path] and not run.faults()  # retried inside the call: no push fault
+
+
+def test_a_disk_reload_that_times_out_is_sent_again(tmp_path, folders, monkeypatch):
+    """The reload after two failed pushes waits its bound (here 1 s: the model's load time patched to 0), gets no
+    answer, and is sent again: loading the same folder twice ends in the same state."""
+    from megamu.engines.sglang import server_weights
+
+    monkeypatch.setattr(server_weights, "load_seconds", lambda nbytes: 0.0)
+
+    def inject(server):
+        server.path_faults[PUSH] = ["fail", "fail"]
+        server.path_faults["/update_weights_from_disk"] = ["sleep:1.5"]
+
+    run = _survive(tmp_path, folders, inject, memory_saver=False)
+    assert run.server.calls.count(f"/update_weights_from_disk@{K}") == 2  # (@1: the given server's start)
+    assert [a for _, a in run.faults()] == ["push failed: pushing again", "push failed again: reloading the servers "
+                                            "from an HF export of the same weights"]
+
+
+def test_a_memory_call_that_times_out_is_not_sent_twice(tmp_path, folders):
+    """A resume still running when its wait ends would be applied twice by a second one (SGLang's scheduler removes
+    the tag it resumes: a KeyError the second time), and a second request would only queue behind a hung first: the
+    run stops, naming the call and the bound."""
+    run = Run(tmp_path, folders, memory_saver=True)
+    try:
+        run.stage(0)
+        run.server.path_faults["/resume_memory_occupation"] = ["sleep:1.5"]
+        with pytest.raises(SGLangError, match=r"resuming weights on http://127.0.0.1:\d+: no answer .* within 1.0s"):
+            run.stage(1)
+        assert [c for c in run.server.calls if c.startswith("/resume")] == ["/resume_memory_occupation:weights"]
+    finally:
+        run.close()
 
 
 def test_a_push_that_fails_once_is_pushed_again(tmp_path, folders):

@@ -8,6 +8,9 @@ recovery is to be revisited.
 - ``srt/entrypoints/http_server.py:1300-1326``: ``/update_weights_from_disk`` answers a failure with HTTP 400
   (megamu: SGLangError, not retried as a control call; the recovery stops the run) and success with 200.
 - ``http_server.py:1454``: ``/update_weights_from_tensor`` answers a failed push with HTTP 400 the same way.
+- ``srt/managers/scheduler_components/weight_updater.py:349`` and ``:390``: a release adds each tag to
+  ``offload_tags`` and a resume removes it (a set's ``remove``: KeyError for a tag not released), so megamu never
+  sends a memory call again after a timeout (megamu/engines/sglang/pool.py REPEATABLE).
 slime's side (THUDM/slime @624b824, read from the repository, not installed here): ``slime/utils/http_utils.py:165-190``
 retries a control post on any error, 60 times 1 s apart; ``slime/ray/rollout.py:286-320`` restarts a dead engine from
 the HF checkpoint and pushes the current weights into it before the next rollout (``recover_updatable_engines``,
@@ -42,3 +45,11 @@ def test_failed_weight_updates_answer_http_400():
     assert lines[1321].strip() == "else:" and lines[1324].strip() == "status_code=HTTPStatus.BAD_REQUEST,"
     assert "status_code=200 if success else HTTPStatus.BAD_REQUEST" in lines[1453]
     assert any('@app.post("/update_weights_from_tensor")' in ln for ln in lines[1430:1454])
+
+
+def test_a_resume_sent_twice_would_raise_in_the_scheduler():
+    lines = _sglang_file("srt/managers/scheduler_components/weight_updater.py")
+    assert lines[336].strip().startswith("def release_memory_occupation(")  # line 337
+    assert lines[348].strip() == "self.offload_tags.add(tag)"  # line 349
+    assert lines[382].strip().startswith("def resume_memory_occupation(")  # line 383
+    assert lines[389].strip() == "self.offload_tags.remove(tag)"  # line 390: KeyError for a tag resumed already

@@ -6,11 +6,16 @@ launched with the folder and log folder they were launched from (a restart launc
 control calls over urllib in a small thread pool. /generate requests do not go through here: they
 take the asyncio transport (transport.py), watched by health.py.
 Every call is retried with exponential backoff on connection errors and 5xx, never on a 4xx (the server refused it,
-and would again). Control calls to every server (``post_all``: memory, weight-update sessions, disk reloads) are also
-retried after a timeout, each attempt bounded by ``control_timeout_s`` (a disk reload: the model's load time,
-launch.load_seconds) and all of them by ``max_retries``: slime retries its control posts on any error
-(slime/utils/http_utils.py:165-190, 60 tries 1 s apart). /generate and the in-memory broadcasts are not retried
-after a timeout: a retry would redo a long generation, and a bucket's broadcast happened once, with the first request.
+and would again). Control calls to every server (``post_all``) wait at most ``control_timeout_s`` per attempt (a
+disk reload: the model's load time, launch.load_seconds), all attempts bounded by ``max_retries``; slime retries its
+control posts on any error (slime/utils/http_utils.py:165-190, 60 tries 1 s apart). After a timeout only a call that
+can run twice is sent again (``/update_weights_from_disk``: the same folder and version loaded again). The memory
+calls and weight-update sessions are not: the first may still be running, and SGLang applies them twice badly (a
+second resume of a tag raises KeyError in its scheduler, ``offload_tags.remove``, scheduler_components/
+weight_updater.py:390; torch_memory_saver refuses to pause an allocation twice, "Cannot pause allocation that is not
+active"), while a second request would only queue behind a hung first one. /generate and the in-memory broadcasts
+are not sent again after a timeout either: a retry would redo a long generation, and a bucket's broadcast happened
+once, with the first request; a push that fails is sent again whole (push_recovery.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from megamu.engines.sglang.launch import SGLangConfig, launch_server, launch_ser
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.transport import attempt_body
 
+# Control calls that may be sent again after a timeout: the server ends in the same state however often it runs them.
+REPEATABLE = frozenset({"/update_weights_from_disk"})
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -132,11 +139,12 @@ class ServerPool:
                  timeout: float | None = None) -> list:
         """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
         failed. A router's workers are reached directly: weight syncs are not routed. Each attempt waits at most
-        ``timeout`` (default ``control_timeout_s``); one that times out is sent again, within ``max_retries``."""
+        ``timeout`` (default ``control_timeout_s``); one that times out is sent again, within ``max_retries``, when
+        the call is REPEATABLE (see the module's docstring)."""
         urls = self.control_urls if urls is None else urls
         timeout = self.config.control_timeout_s if timeout is None else timeout
-        futures = [self.executor.submit(self.post_with_retries, [u], path, body, f"{what} on {u}", timeout, True)
-                   for u in urls]
+        futures = [self.executor.submit(self.post_with_retries, [u], path, body, f"{what} on {u}", timeout,
+                                        path in REPEATABLE) for u in urls]
         outs = [f.result() for f in futures]
         for url, out in zip(urls, outs):
             if isinstance(out, dict) and out.get("success") is False:

@@ -26,6 +26,8 @@ ARG TORCH_VERSION=2.11.0
 ARG SGLANG_VERSION=0.5.15.post1
 ARG SGLANG_ROUTER_VERSION=0.3.2
 ARG MEGATRON_COMMIT=1dcf0dafa884ad52ffb243625717a3471643e087
+# What megatron/core/package_info.py says at MEGATRON_COMMIT (MAJOR 0, MINOR 16, PATCH 0, PRE_RELEASE 'rc0').
+ARG MEGATRON_CORE_VERSION=0.16.0rc0
 ARG TRANSFORMER_ENGINE_VERSION=2.16.1
 ARG WITH_APEX=0
 ARG APEX_REF=10417aceddd7d5d05d7cbf7b0fc2daad1105f8b4
@@ -57,10 +59,16 @@ RUN pip install -c /opt/constraints.txt --no-build-isolation \
         "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}" \
     && python -c "import transformer_engine.pytorch"
 
-# megatron-core from Megatron-LM at slime's commit (no slime patch).
+# megatron-core from Megatron-LM at slime's commit (no slime patch), then pinned in the constraints: setup.py's
+# `megatron-core>=0.16.0rc0` admits the checkout's prerelease, and the constraint keeps any later install from
+# swapping it for a release. tools/check_megatron_pin.py fails the build if megatron.core is not the checkout.
+COPY tools/check_megatron_pin.py /opt/check_megatron_pin.py
 RUN git clone https://github.com/NVIDIA/Megatron-LM.git /opt/Megatron-LM \
     && cd /opt/Megatron-LM && git checkout ${MEGATRON_COMMIT} \
-    && pip install -c /opt/constraints.txt --no-deps -e .
+    && pip install -c /opt/constraints.txt --no-deps -e . \
+    && echo "megatron-core==${MEGATRON_CORE_VERSION}" >> /opt/constraints.txt \
+    && python /opt/check_megatron_pin.py --source /opt/Megatron-LM --commit ${MEGATRON_COMMIT} \
+        --version ${MEGATRON_CORE_VERSION}
 
 # apex is optional: megamu runs without it (TE and torch provide the fused ops it needs).
 RUN if [ "${WITH_APEX}" = "1" ]; then \
@@ -76,6 +84,8 @@ COPY megamu ./megamu
 COPY tools ./tools
 COPY examples ./examples
 RUN pip install -c /opt/constraints.txt -e ".[gpu]" \
+    && python /opt/check_megatron_pin.py --source /opt/Megatron-LM --commit ${MEGATRON_COMMIT} \
+        --version ${MEGATRON_CORE_VERSION} \
     && python -c "import megamu, megatron.core, sglang, sglang_router, transformer_engine; print('megamu image ok')"
 
 CMD ["bash"]

@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 # torch is deliberately unpinned: `make` installs torch==2.13.0 (CPU) first, GPU images bring their own CUDA build.
 CORE = [
     "torch>=2.4",
-    "megatron-core>=0.16.1",
+    # The image runs Megatron-LM at slime's commit, whose package_info says 0.16.0rc0 (a prerelease of 0.16.0):
+    # the bound admits it so that pip keeps the checkout (the CPU venv gets the 0.16.1 release).
+    "megatron-core>=0.16.0rc0",
     "transformers>=4.51",
     "safetensors>=0.4",
     "math-verify>=0.9.0",

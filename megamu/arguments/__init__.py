@@ -30,6 +30,7 @@ from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, eva
 from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
+from megamu.arguments.sglang_flags import forward_sglang_flags
 from megamu.arguments.slime import (
     add_slime_arguments,
     convert_intervals,
@@ -258,9 +259,11 @@ def check_memory(plan) -> None:
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
     """Flags -> RunConfig, every check done (errors name the flag). ``device``: the machine's, unless given."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     device = device or Device.detect()
-    notes = translate_slime_arguments(args)  # before any check: the checks read megamu's flags
+    notes = forward_sglang_flags(args, unknown, parser)  # slime's --sglang-<name>: SGLang's own --<name>
+    notes += translate_slime_arguments(args)  # before any check: the checks read megamu's flags
     notes += resolve_defaults(args, device)
     notes += resolve_precision(args, device)
     resolve_hf_checkpoint(args)

@@ -3,8 +3,11 @@
 Weight versions, /model_info and /server_info's limits are as in SGLang 0.5.23.
 In-memory weight updates (a broadcast group, or tensor handles) are received as SGLang's TP rank 0 receives them.
 Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
-answer), "sleep:S" (answer after S seconds). As in SGLang, /health needs no API key, and a request id the server
-has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
+answer), "sleep:S" (answer after S seconds), for /generate in ``faults``, for any other POST path in
+``path_faults[path]``; there also "fail" (an in-memory or disk update received and loaded, then answered as SGLang
+answers a failed one: HTTP 400, success False) and "corrupt" (the update's tensors loaded scaled by 1.5: weights
+that are not the trainer's, which a log-prob probe finds). As in SGLang, /health needs no API key, and a request id
+the server has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class SchemaServer:
         self.deterministic = deterministic  # LocalEngine honours seeds, like SGLang with deterministic inference
         self.rids: set[str] = set()
         self.faults: list[str] = []
+        self.path_faults: dict[str, list[str]] = {}  # POST path -> faults for its next requests, in order
+        self.corrupt = False  # the next loaded tensors are scaled ("corrupt" fault)
         self.log: list[dict] = []  # every /generate body received, and what was answered
         self.weight_version = "default"  # as SGLang: set by a weight update, reported on every sample
         self.max_req_input_len: int | None = None  # reported in /server_info when set (SGLang always reports it)
@@ -143,6 +148,8 @@ class SchemaServer:
         return {"success": True, "message": "ok"}
 
     def _load(self, tensors: dict, body: dict) -> None:
+        if self.corrupt:
+            tensors = {n: t * 1.5 if t.is_floating_point() else t for n, t in tensors.items()}
         with self.lock:
             self.engine.model.load_state_dict(tensors, strict=False)
             self.pushed.update(tensors)
@@ -233,6 +240,18 @@ class SchemaServer:
                 tags, version = body.get("tags") or [], body.get("weight_version")
                 server.calls.append(self.path + (":" + ",".join(tags) if tags else "")
                                     + (f"@{version}" if version else ""))
+                fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
+                queued = server.path_faults.get(self.path)
+                if fault is None and queued:
+                    fault = queued.pop(0)
+                server.corrupt = fault == "corrupt"
+                if fault in ("503", "400"):
+                    return self._reply(int(fault), {"error": f"injected HTTP {fault}"})
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if fault and fault.startswith("sleep:"):
+                    time.sleep(float(fault.split(":")[1]))
                 if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
                     if not server.memory_saver:  # SGLang: the memory saver must be enabled at launch
                         return self._reply(400, {"error": "memory saver is not enabled"})
@@ -246,14 +265,6 @@ class SchemaServer:
                     return self._reply(400, {"error": "weights are released: resume them before an update"})
                 if self.path == "/generate" and server.released:
                     return self._reply(400, {"error": f"released {sorted(server.released)}: nothing to run on"})
-                fault = server.faults.pop(0) if server.faults and self.path == "/generate" else None
-                if fault in ("503", "400"):
-                    return self._reply(int(fault), {"error": f"injected HTTP {fault}"})
-                if fault == "drop":
-                    self.close_connection = True
-                    return
-                if fault and fault.startswith("sleep:"):
-                    time.sleep(float(fault.split(":")[1]))
                 if self.path == "/generate":
                     ids = body["input_ids"]
                     n = (len(ids) if isinstance(ids[0], list) else 1) if ids else 0
@@ -268,15 +279,23 @@ class SchemaServer:
                             server.running -= n
                     server.log.append({"body": body, "response": out})
                     return self._reply(200, out)
+                failed = {"success": False, "message": "injected failure"}
                 if self.path == "/update_weights_from_disk":
                     with server.lock:
                         server.engine.update_weights(body["model_path"])
+                        if server.corrupt:
+                            server.engine.model.load_state_dict(
+                                {n: t * 1.5 for n, t in server.engine.model.state_dict().items()
+                                 if t.is_floating_point()}, strict=False)
                         server.weight_version = body.get("weight_version") or server.weight_version
+                    if fault == "fail":
+                        return self._reply(400, failed)
                     return self._reply(200, {"success": True, "message": "ok"})
                 if self.path in IN_MEMORY:
                     if "weights" in server.released and self.path.startswith("/update"):
                         return self._reply(400, {"error": "weights are released: resume them before an update"})
-                    return self._reply(200, server.in_memory(self.path, body))
+                    out = server.in_memory(self.path, body)
+                    return self._reply(400, failed) if fault == "fail" else self._reply(200, out)
                 if self.path == "/abort_request":
                     return self._reply(200, {"success": True})
                 self._reply(404, {"error": f"no route {self.path}"})

@@ -36,6 +36,7 @@ from megamu.engines.sglang.health import ServerState, Supervisor, wait_for_serve
 from megamu.engines.sglang.launch import (
     PortInUse,
     SGLangConfig,
+    startup_timeout,
     stop_processes,
 )
 from megamu.engines.sglang.pool import ServerPool
@@ -108,7 +109,7 @@ class SGLangEngine:
 
     # ---- server lifecycle -------------------------------------------------------------------------------------
     def _wait_healthy(self, logs: list[Path], model_path: str | None) -> None:
-        timeout = self.config.url_timeout_s if self.config.urls else self.config.startup_timeout_s
+        timeout = self.config.url_timeout_s if self.config.urls else startup_timeout(self.config, self.hf_dir)
         try:
             ready = wait_for_servers(lambda u, p, b, t: self.pool.call(u, p, b, timeout=t), self.urls, self.pool.procs,
                                      logs, timeout, given=bool(self.config.urls))

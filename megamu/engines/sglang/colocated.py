@@ -6,16 +6,20 @@ pushed by each node to its own servers (CUDA IPC handles open only on their own 
 the same). Each push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync"
 record. Servers on the trainer's GPUs (--sglang-memory-saver) give their memory back while the trainer trains and
 take it again around the push (memory.py): weights first, the KV cache once the pushed tensors are freed.
+A refresh survives one fault (push_recovery.py): a failed push is sent again, then reloaded from an export of the same
+weights; a probe mismatch is pushed again once; each fault is logged as a "sync_fault" record.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle.base import LifecycleBase, Log, WeightRequest
 from megamu.engines.sglang import memory
+from megamu.engines.sglang.push_recovery import push_surviving_one_fault, write_recovery_export
 from megamu.engines.sglang.rank_push import RankPush
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.tensor_sync import transport
@@ -57,8 +61,13 @@ class ColocatedSGLang(LifecycleBase):
         # servers without their KV cache cannot run the probe: it waits for onload()
         probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
         hf_dir = None if weights.tensors is not None else str(weights.hf_dir)
-        report = self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
-                                            probe=probe)
+
+        def push():
+            return self.engine.update_weights(hf_dir=hf_dir, state_dict=weights.tensors, version=weights.version,
+                                              probe=probe)
+
+        report = push_surviving_one_fault(push, push, self._new_sync_group, self._reloader(weights, probe, stage),
+                                          self._noter(stage))
         self.report = (stage, report)
         if self.pending is None:
             self._log_sync()
@@ -84,39 +93,104 @@ class ColocatedSGLang(LifecycleBase):
         refusals = [r for r in parallel.all_gather_object(refused, wait=True) if r]
         if refusals:
             raise SGLangError("the in-memory weight push was refused:\n" + "\n".join(refusals))
-        error, sent, seconds = "", 0, 0.0
-        t0 = time.perf_counter()
-        try:
-            sent = self.pusher.push(tensors, weights.version)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
-        seconds = time.perf_counter() - t0
-        pushed = parallel.all_gather_object((error, sent, seconds), wait=True)
-        errors = [e for e, _, _ in pushed if e]
-        if errors:
-            raise SGLangError("the in-memory weight push failed on some ranks:\n" + "\n".join(errors))
+        for attempt in range(2):  # a failed push is sent once more: every rank sees the same errors, all retry
+            pushed = self._push_ranks(tensors, weights.version)
+            errors = [e for e, _, _ in pushed if e]
+            if not errors:
+                break
+            if parallel.is_main_rank():
+                self._note(stage, "push failed" + (": pushing again" if attempt == 0 else " again"),
+                           SGLangError("\n".join(errors)))
         if self.node is not None:  # the engine owning this node's servers: their version, and a restart's copy
             self.node.pushed_by_ranks(tensors, weights.version)
         if not parallel.is_main_rank():
             return
         probe, self.pending = (None, weights.probe) if self.released else (weights.probe, None)
-        confirmed = self.engine.adopt_weights(weights.version, probe)
+        if errors:  # twice: rank 0 writes its copy of θ_k and every server reloads it (no process group needed)
+            reload = self._reloader(weights, probe, stage)
+            if reload is None:
+                raise SGLangError("the in-memory weight push failed twice on some ranks:\n" + "\n".join(errors))
+            try:
+                reload()
+            except Exception as e:
+                raise SGLangError("the in-memory weight push failed twice and the servers could not reload the "
+                                  f"same weights from disk: stopping: {e}") from e
+            probe = None  # the reload's own update checked it
+        # a probe mismatch: rank 0 pushes its copy once more to every server of this node's host
+        again = (lambda: self.engine.update_weights(state_dict=tensors, version=weights.version, probe=probe))
+        confirmed = push_surviving_one_fault(lambda: self.engine.adopt_weights(weights.version, probe), again,
+                                             self._new_sync_group, None, self._noter(stage))
         self.report = (stage, SyncReport("memory (tensor, per rank)", max(s for _, _, s in pushed) + confirmed.seconds,
                                          confirmed.version, sum(b for _, b, _ in pushed),
                                          confirmed.probe_mean_abs_diff))
         if self.pending is None:
             self._log_sync()
 
+    def _push_ranks(self, tensors: dict, version) -> list[tuple[str, int, float]]:
+        """One per-rank push (collective): (error or "", bytes, seconds) of every rank."""
+        error, sent, t0 = "", 0, time.perf_counter()
+        try:
+            sent = self.pusher.push(tensors, version)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"rank {parallel.rank()}: {type(e).__name__}: {e}"
+        return parallel.all_gather_object((error, sent, time.perf_counter() - t0), wait=True)
+
     def onload(self) -> None:
-        """The servers' KV cache and CUDA graphs back once the trainer has offloaded; then the push's probe (rank 0)."""
+        """The servers' KV cache and CUDA graphs back once the trainer has offloaded; then the push's probe (rank 0),
+        which a mismatch answers by pushing the host copy of the weights once more (push_recovery.py)."""
         if not parallel.is_main_rank():
             return
         self._resume(*memory.ALL)
         if self.pending is not None:
             stage, report = self.report
-            self.report = (stage, replace(report, probe_mean_abs_diff=check_probe(self.engine, self.pending)))
-            self.pending = None
+            probe, self.pending = self.pending, None
+
+            def again() -> float:
+                copy = self._host_copy()
+                if copy is None:
+                    raise SGLangError("the probe failed after the push, and no host copy of the weights is kept to "
+                                      "push again (--rollout-max-restarts 0 keeps none): stopping")
+                return self.engine.update_weights(state_dict=copy, version=report.version,
+                                                  probe=probe).probe_mean_abs_diff
+
+            diff = push_surviving_one_fault(lambda: check_probe(self.engine, probe), again, self._new_sync_group,
+                                            None, self._noter(stage))
+            self.report = (stage, replace(report, probe_mean_abs_diff=diff))
             self._log_sync()
+
+    # ---- faults (push_recovery.py) ------------------------------------------------------------------------------
+    def _note(self, stage: int, what: str, error: BaseException) -> None:
+        print(f"[sglang] stage {stage}: {what} ({type(error).__name__}: {error})", flush=True)
+        self.log("sync_fault", stage=stage, action=what, error=f"{type(error).__name__}: {error}"[:2000])
+
+    def _noter(self, stage: int):
+        return lambda what, error: self._note(stage, what, error)
+
+    def _new_sync_group(self) -> None:
+        """The next in-memory broadcast makes a new group: a failed one may have lost a member mid-bucket."""
+        weights = getattr(self.engine, "weights", None)
+        if weights is not None:
+            weights.sync.lost_server()
+
+    def _host_copy(self) -> dict | None:
+        """The host copy of the last push kept for restarted servers (rank 0's engine, or this node's)."""
+        for engine in (self.engine, self.node):
+            copy = getattr(getattr(getattr(engine, "weights", None), "sync", None), "restore_tensors", None)
+            if copy is not None:
+                return copy
+        return None
+
+    def _reloader(self, weights: Weights, probe, stage: int):
+        """The last resort of a push that failed twice: θ_k written beside the launch export from the tensors rank
+        0 holds, and reloaded by every server from there; None for a disk sync (its folder is what failed)."""
+        if weights.tensors is None or self.hf_dir is None:
+            return None
+
+        def reload():
+            folder = write_recovery_export(weights.tensors, Path(self.hf_dir), stage)
+            return self.engine.update_weights(hf_dir=str(folder), version=weights.version, probe=probe)
+
+        return reload
 
     def _log_sync(self) -> None:
         stage, r = self.report

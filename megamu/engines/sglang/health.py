@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from megamu.engines.sglang.dispatch import Dispatcher
-from megamu.engines.sglang.launch import log_tail, stop_processes
+from megamu.engines.sglang.launch import log_tail, startup_timeout, stop_processes
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.transport import AsyncTransport, HTTPRefused, Unreachable, attempt_body
@@ -336,7 +336,8 @@ class Supervisor:
             if self._closing:
                 raise SGLangError("the engine is shutting down")
             st.proc, st.log = self.pool.relaunch(st.index, restart=st.restarts)
-        wait_for_servers(self.pool.call, [st.url], [st.proc], [st.log], self.cfg.startup_timeout_s, given=False)
+        wait_for_servers(self.pool.call, [st.url], [st.proc], [st.log], startup_timeout(self.cfg, self.pool.hf_dir),
+                         given=False)
         self.weights.restore(st.url)  # samples of other weights than the last sync's would be refused
         return time.monotonic() - t0
 

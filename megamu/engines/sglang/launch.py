@@ -28,6 +28,13 @@ TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 
 
 WEIGHT_SYNCS = ("disk", "memory")
+# What a server needs to load a model, for the default start-up timeout and a disk reload's: a fixed part (Python and
+# CUDA start, memory profiling, CUDA-graph capture) and the safetensors read at a cold shared filesystem's rate. The
+# servers of a node start at once and read the same files, which the page cache holds once: the node reads the
+# model once, so the bound does not grow with the servers' count. slime waits without a bound while the process
+# lives (slime/backends/sglang_utils/sglang_engine.py:67-85); megamu names the server after this one.
+LOAD_BASE_S = 300.0
+LOAD_RATE_BYTES_S = 100 * 2**20
 # SGLang's batch-invariant kernels: only with them is sampling_seed honoured (slower, so opt-in).
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"  # /update_weights_from_disk, or an in-memory push
 
@@ -62,8 +69,10 @@ class SGLangConfig:
     extra_server_args: list[str] = flag("--sglang-server-args", default_factory=list, flag_default="", help=(
         'extra launch_server flags, e.g. "--mem-fraction-static 0.8 --max-running-requests 1024"'))
     log_dir: str | None = None
-    startup_timeout_s: float = flag("--sglang-startup-timeout", default=600.0, type=float, help=(
-        "seconds a server megamu launches (or restarts) has to load its model and answer /health"))
+    # None: scaled to the model (load_seconds); the servers of a node start at once and share it
+    startup_timeout_s: float | None = flag("--sglang-startup-timeout", default=None, type=float, help=(
+        "seconds a server megamu launches (or restarts) has to load its model and answer /health (default: "
+        f"{LOAD_BASE_S:.0f} s + the model's safetensors bytes at {LOAD_RATE_BYTES_S / 2**20:.0f} MiB/s)"))
     url_timeout_s: float = flag("--sglang-url-timeout", default=60.0, type=float, help=(
         "seconds the given --sglang-url servers have to answer /health at start: the run starts on those that do, "
         "naming the others, and fails after this bound when none does, naming each URL with its error (servers "
@@ -91,6 +100,9 @@ class SGLangConfig:
         "SGLang honours each sample's seed (servers launched with --enable-deterministic-inference; given servers "
         "must have it), so a resumed stage redraws the same samples; slower kernels. The local engine always is"))
     request_timeout_s: float = 3600.0
+    # one attempt of a control call to every server (memory, weight-update sessions); a disk reload gets at least
+    # the model's load time (load_seconds). Timed-out attempts are retried within max_retries (pool.post_all).
+    control_timeout_s: float = 600.0
     max_retries: int = 5
     backoff_s: float = 1.0
     shutdown_grace_s: float = 30.0
@@ -119,8 +131,10 @@ class SGLangConfig:
         check_positive(self, "num_servers", "tp_size", "server_concurrency", "port_base")
         check_positive(self, "probe_misses")
         check_non_negative(self, "max_retries", "max_restarts")
-        for name in ("startup_timeout_s", "url_timeout_s", "request_timeout_s", "weight_bucket_mb", "probe_period_s",
-                     "probe_timeout_s"):
+        for name in ("startup_timeout_s", "url_timeout_s", "request_timeout_s", "control_timeout_s",
+                     "weight_bucket_mb", "probe_period_s", "probe_timeout_s"):
+            if getattr(self, name) is None and name == "startup_timeout_s":
+                continue
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
         if self.router and self.urls:
@@ -137,6 +151,24 @@ class SGLangConfig:
                        sync_backend=backend, shares_trainer_devices=colocated,
                        sync_master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"), num_servers=1)
         return replace(self, **{k: v for k, v in derived.items() if getattr(self, k) is None})
+
+
+def model_bytes(hf_dir: str | Path | None) -> int:
+    """Bytes of the safetensors files in ``hf_dir`` (0 when it is not readable here)."""
+    try:
+        return sum(p.stat().st_size for p in Path(hf_dir).glob("*.safetensors")) if hf_dir else 0
+    except OSError:
+        return 0
+
+
+def load_seconds(nbytes: int) -> float:
+    """Seconds a server may take to load ``nbytes`` of weights: LOAD_BASE_S + nbytes at LOAD_RATE_BYTES_S."""
+    return LOAD_BASE_S + nbytes / LOAD_RATE_BYTES_S
+
+
+def startup_timeout(cfg: SGLangConfig, hf_dir: str | Path | None) -> float:
+    """``cfg.startup_timeout_s`` when given, else the model's load time."""
+    return cfg.startup_timeout_s if cfg.startup_timeout_s is not None else load_seconds(model_bytes(hf_dir))
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None

@@ -5,8 +5,17 @@ syncs, memory calls and probes go to: the same, except behind a router), the API
 launched with the folder and log folder they were launched from (a restart launches one again the same way), and the
 control calls over urllib in a small thread pool. /generate requests do not go through here: they
 take the asyncio transport (transport.py), watched by health.py.
-Every call is retried with exponential backoff on connection errors and 5xx, never on a timeout (a retry would redo a
-long generation) or a 4xx.
+Every call is retried with exponential backoff on connection errors and 5xx, never on a 4xx (the server refused it,
+and would again). Control calls to every server (``post_all``) wait at most ``control_timeout_s`` per attempt (a
+disk reload: the model's load time, launch.load_seconds), all attempts bounded by ``max_retries``; slime retries its
+control posts on any error (slime/utils/http_utils.py:165-190, 60 tries 1 s apart). After a timeout only a call that
+can run twice is sent again (``/update_weights_from_disk``: the same folder and version loaded again). The memory
+calls and weight-update sessions are not: the first may still be running, and SGLang applies them twice badly (a
+second resume of a tag raises KeyError in its scheduler, ``offload_tags.remove``, scheduler_components/
+weight_updater.py:390; torch_memory_saver refuses to pause an allocation twice, "Cannot pause allocation that is not
+active"), while a second request would only queue behind a hung first one. /generate and the in-memory broadcasts
+are not sent again after a timeout either: a retry would redo a long generation, and a bucket's broadcast happened
+once, with the first request; a push that fails is sent again whole (push_recovery.py).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from megamu.engines.sglang.launch import SGLangConfig, launch_server, launch_ser
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.transport import attempt_body
 
+# Control calls that may be sent again after a timeout: the server ends in the same state however often it runs them.
+REPEATABLE = frozenset({"/update_weights_from_disk"})
 # Servers are reached directly: an http_proxy set for pip on a cluster would otherwise carry even 127.0.0.1 requests.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -94,26 +105,28 @@ class ServerPool:
         except (SGLangError, OSError, http.client.HTTPException, ValueError):
             return None
 
-    def post_with_retries(self, urls: list[str], path: str, body: dict, what: str):
+    def post_with_retries(self, urls: list[str], path: str, body: dict, what: str, timeout: float | None = None,
+                          retry_timeouts: bool = False):
         """POST with retries; attempt k goes to urls[k % len(urls)], so a dead server's work moves on.
 
-        A 4xx is never retried: the server refused this request, and would refuse it again.
+        A 4xx is never retried: the server refused this request, and would refuse it again. A timeout is retried
+        only for ``retry_timeouts`` (control calls that can be sent again: ``post_all``).
         A retry gets fresh request ids: SGLang answers 400 "Duplicate request ID" while the failed attempt is still
         known to the server (a dropped connection is only noticed after a while)."""
         delay = self.config.backoff_s
-        retries, timeout = self.config.max_retries, self.config.request_timeout_s
+        retries = self.config.max_retries
+        timeout = self.config.request_timeout_s if timeout is None else timeout
         for attempt in range(retries + 1):
             url = urls[attempt % len(urls)]
             try:
                 return self.call(url, path, attempt_body(body, attempt), timeout=timeout)
             except SGLangError as e:
                 raise SGLangError(f"{what}: refused: {e}", status=e.status) from e
-            except TimeoutError as e:
-                raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, TimeoutError):
+            except (TimeoutError, urllib.error.URLError) as e:
+                timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+                if timed_out and not retry_timeouts:
                     raise SGLangError(f"{what}: no answer from {url} within {timeout}s") from e
-                error = e
+                error = TimeoutError(f"no answer from {url} within {timeout}s") if timed_out else e
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 error = e
             if attempt == retries:
@@ -122,11 +135,16 @@ class ServerPool:
             delay *= 2
         raise AssertionError("unreachable")
 
-    def post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None) -> list:
+    def post_all(self, path: str, body: dict, what: str, urls: list[str] | None = None,
+                 timeout: float | None = None) -> list:
         """The same request to every server (or ``urls``) at once (weight syncs, memory); raises if any says it
-        failed. A router's workers are reached directly: weight syncs are not routed."""
+        failed. A router's workers are reached directly: weight syncs are not routed. Each attempt waits at most
+        ``timeout`` (default ``control_timeout_s``); one that times out is sent again, within ``max_retries``, when
+        the call is REPEATABLE (see the module's docstring)."""
         urls = self.control_urls if urls is None else urls
-        futures = [self.executor.submit(self.post_with_retries, [u], path, body, f"{what} on {u}") for u in urls]
+        timeout = self.config.control_timeout_s if timeout is None else timeout
+        futures = [self.executor.submit(self.post_with_retries, [u], path, body, f"{what} on {u}", timeout,
+                                        path in REPEATABLE) for u in urls]
         outs = [f.result() for f in futures]
         for url, out in zip(urls, outs):
             if isinstance(out, dict) and out.get("success") is False:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from megamu.engines.sglang.launch import SGLangConfig
+from megamu.engines.sglang.launch import SGLangConfig, load_seconds, model_bytes
 from megamu.engines.sglang.pool import ServerPool
 from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.sglang.weight_sync import (
@@ -81,7 +81,7 @@ class ServerWeights:
                 check_layout(new, self.layout, self.server_dtype, f"weights in {hf_dir}")
             self.pool.post_all("/update_weights_from_disk",
                                {"model_path": str(hf_dir), "flush_cache": True, "weight_version": version},
-                               f"weight update from {hf_dir}")
+                               f"weight update from {hf_dir}", timeout=self.reload_timeout(hf_dir))
             self.layout, sent, mode = new, 0, "disk"
             self.sync.restore_tensors = None
         else:
@@ -96,6 +96,11 @@ class ServerWeights:
             self.keep_for_restarts(state_dict)
         report = self.confirm(version, probe, folder=hf_dir)
         return SyncReport(mode, time.monotonic() - t0, version, sent, report.probe_mean_abs_diff)
+
+    def reload_timeout(self, hf_dir) -> float:
+        """One attempt of ``/update_weights_from_disk`` from ``hf_dir``: the model's load time, at least a control
+        call's bound."""
+        return max(self.config.control_timeout_s, load_seconds(model_bytes(hf_dir)))
 
     def check_pushable(self, state_dict: dict) -> None:
         """Refuse, before anything is sent, in-memory weights that do not fit the running model."""
@@ -153,7 +158,8 @@ class ServerWeights:
         if self.folder is not None:
             self.pool.post_with_retries([url], "/update_weights_from_disk",
                                         {"model_path": self.folder, "flush_cache": True,
-                                         "weight_version": self.version}, f"restoring the weights of {url}")
+                                         "weight_version": self.version}, f"restoring the weights of {url}",
+                                        timeout=self.reload_timeout(self.folder), retry_timeouts=True)
         elif self.sync.restore_tensors is not None:
             push_tensors(self.pool, self.sync, self.sync.restore_tensors, str(self.version), urls=[url])
         else:

@@ -35,6 +35,10 @@ class WeightMismatch(ValueError):
     """New weights that do not fit the running model; the message names the first difference."""
 
 
+class ProbeMismatch(WeightMismatch):
+    """After a push, a server's log-probs of the probe are beyond its tolerance of the trainer's."""
+
+
 @dataclass
 class ModelLayout:
     """Architecture and tensors (name -> (shape, dtype)) of a model, as its HF folder or state dict says."""
@@ -99,12 +103,12 @@ def check_layout(new: ModelLayout, running: ModelLayout, server_dtype: str | Non
 def compare_probe(probe: LogprobProbe, served: list[float], what: str) -> float:
     """Mean |served - trainer| over the probe's tokens; raises WeightMismatch beyond the tolerance."""
     if len(served) != len(probe.logprobs) or not served:
-        raise WeightMismatch(f"{what}: server returned {len(served)} log-probs for a probe of {len(probe.logprobs)}")
+        raise ProbeMismatch(f"{what}: server returned {len(served)} log-probs for a probe of {len(probe.logprobs)}")
     diffs = [abs(a - b) for a, b in zip(served, probe.logprobs)]
     mean = sum(diffs) / len(diffs)
     if not mean <= probe.tolerance:  # NaN fails too
         worst = max(range(len(diffs)), key=lambda i: diffs[i] if diffs[i] == diffs[i] else float("inf"))
-        raise WeightMismatch(f"{what}: server log-probs differ from the trainer's by {mean:.3g} on average "
+        raise ProbeMismatch(f"{what}: server log-probs differ from the trainer's by {mean:.3g} on average "
                              f"(> {probe.tolerance}); worst: probe token {worst + 1}, {served[worst]:.6f} vs "
                              f"{probe.logprobs[worst]:.6f}")
     return mean

@@ -8,6 +8,8 @@ The per-GPU trainer state is checked against a hand count from the config's numb
 attention at TP 4 + SP x DP 2, experts at ETP 1 x EP 8 x expert-DP 1 (megatron-core's parallel folding,
 parallel_state.py:786-805)."""
 
+from itertools import takewhile
+
 from megamu.algo import AlgoConfig
 from megamu.arguments import parse_args
 from megamu.memory.memory_plan import GIB, plan_memory
@@ -45,20 +47,20 @@ RUN_ARGS = (
     "--use-dynamic-batch-size --max-tokens-per-gpu 20480 "
     "--eval-interval 20 --eval-prompt-data aime /root/aime-2024/aime-2024.jsonl --n-samples-per-eval-prompt 16 "
     "--eval-max-response-len 16384 --eval-top-p 1 "
-    # --sglang-cuda-graph-bs 1 2 4 8 16 24 ... 256 (SGLANG_ARGS): left out here, issue 49 item 4 (the --sglang-*
-    # passthrough to the servers) adds it
-    "--rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 "
+    # SGLANG_ARGS: --sglang-cuda-graph-bs 1 2 4 8 then 16 to 256 by 8 (seq 16 8 256)
+    "--rollout-num-gpus-per-engine 8 --sglang-mem-fraction-static 0.7 --sglang-cuda-graph-bs 1 2 4 8 "
+    + " ".join(map(str, range(16, 257, 8))) + " "
     "--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 "
     "--attention-backend flash"
 ).split()
 
-# What megamu does with each of the script's flags (89 with --sglang-cuda-graph-bs, item 4's): every one is in
-# exactly one class, and none is refused.
+# What megamu does with each of the script's 89 flags: every one is in exactly one class, and none is refused.
 TRANSLATED = {  # slime's name for another megamu setting (a start-up note or the flag's alias says which)
     "--actor-num-nodes", "--actor-num-gpus-per-node", "--colocate", "--rollout-num-gpus-per-engine",
     "--sglang-mem-fraction-static", "--num-rollout", "--rollout-batch-size", "--global-batch-size",
     "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--rm-type", "--advantage-estimator", "--eps-clip",
-    "--eps-clip-high", "--ref-load", "--input-key", "--label-key"}
+    "--eps-clip-high", "--ref-load", "--input-key", "--label-key",
+    "--sglang-cuda-graph-bs"}  # SGLang's --cuda-graph-bs on the servers' command line (arguments/sglang_flags.py)
 CHECKED = {  # model flags: checked against the HF config, which decides
     f for f in MODEL_ARGS if f.startswith("--") and f not in (
         "--moe-token-dispatcher-type", "--moe-grouped-gemm", "--moe-token-drop-policy", "--moe-router-dtype",
@@ -90,7 +92,7 @@ def launch(tmp_path, monkeypatch, capsys, *extra):
 def test_every_flag_of_the_script_is_in_one_class():
     given = {f for f in MODEL_ARGS + RUN_ARGS if f.startswith("--")} | {"--hf-checkpoint", "--save"}
     classes = (TRANSLATED, CHECKED, SAME, ACCEPTED)
-    assert sum(map(len, classes)) == len(given) == 88  # + --sglang-cuda-graph-bs = the script's 89
+    assert sum(map(len, classes)) == len(given) == 89
     assert set().union(*classes) == given
 
 
@@ -102,6 +104,10 @@ def test_slimes_script_dry_runs_fits_8_h200_in_bf16_and_runs_slimes_grpo(tmp_pat
     assert run.policy.sequence_parallel and run.policy.recompute_granularity == "full"
     assert (run.plan.prompts_per_update, run.plan.n_samples_per_prompt, run.plan.mu) == (32, 8, 1)
     assert run.policy.max_tokens_per_micro_batch == 20480
+    graph_bs = run.engine.sglang.extra_server_args  # slime's --sglang-cuda-graph-bs, as SGLang's own flag
+    start = graph_bs.index("--cuda-graph-bs") + 1
+    values = list(takewhile(lambda a: not a.startswith("--"), graph_bs[start:]))
+    assert values == [str(b) for b in [1, 2, 4, 8, *range(16, 257, 8)]]
     moe = run.policy.moe
     assert (moe.token_dispatcher_type, moe.router_dtype, moe.token_drop_policy, moe.grouped_gemm,
             moe.permute_fusion) == ("alltoall", "fp32", "probs", True, True)

@@ -1,10 +1,13 @@
-"""The Trainer: the owner of a μ-GRPO run (torchtitan's Trainer as the model), which the loops (staged.py,
-async_.py) drive.
+"""The Trainer: the owner of a μ-GRPO run (torchtitan's Trainer as the model: ``trainer = Trainer(cfg)``, then
+``try: trainer.train() finally: trainer.close()``, as torchtitan/train.py's main does).
 
-It builds the run's parts from their configs (megamu.config.run_config) and owns them: the mode (chosen once, here), the
-policy (model, optimiser, checkpoints, exports), the prompts, the metrics and the run's progress. It owns what every
+It starts the process groups, builds the run's parts from their configs (megamu.config.run_config) and owns them: the
+mode (chosen once, here), the policy (model, optimiser, checkpoints, exports), the prompts, the metrics and the run's
+progress (the async queue's cursor included). ``train`` runs the mode's loop (megamu.loop.staged or
+megamu.loop.async_, which drive the engine) and the summary; ``close`` stops the process groups. It owns what every
 loop shares: one optimiser update with its record, the checkpoint cadence (the mode's), HF export retention (the
-mode's), the stage counter (moved only by ``_stage_over``), the ETA line and the final summary. What a checkpoint
+mode's), the stage counter (moved only by ``_stage_over``), evaluation on an engine holding θ and the run's one final
+evaluation, the ETA line and the final summary. What a checkpoint
 carries besides the policy's weights and optimiser is the Trainer's ``state_dict`` (torch.distributed.checkpoint's
 ``Stateful``): the progress (``RunState``, Stateful too) and the plan. What the engine does and when is the loops'
 business.
@@ -13,11 +16,16 @@ business.
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
+import torch
+
+from megamu.data.prompts import stop_token_ids
 from megamu.data.stage_prompts import Prompts
 from megamu.engines.weights import Weights
-from megamu.loop.state import RunState
+from megamu.loop.heldout import evaluate_sets
+from megamu.loop.state import QueueCursor, RunState
 from megamu.loop.summary import print_summary
 from megamu.mode import Mode, mode_of
 from megamu.observability.drift import StageDrift
@@ -32,12 +40,15 @@ from megamu.training.policy import Policy
 if TYPE_CHECKING:
     from megamu.config.plan import Plan
     from megamu.config.run_config import RunConfig
+    from megamu.engines import Engine
+    from megamu.engines.types import SamplingParams
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
         from transformers import AutoTokenizer
 
+        _start_distributed(cfg)
         self.cfg: RunConfig = cfg
         self.plan: Plan = cfg.plan
         self.mode: Mode = mode_of(cfg.plan.rollout_mode)  # the one place the run's mode is chosen
@@ -47,6 +58,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy.hf_source)
         self.prompts = Prompts(cfg.prompts, self.tokenizer)
         self.state = RunState()
+        self._trained = False  # train() returned: close() may stop the process groups
         self._stage_stats: list[tuple[float, float]] = []  # this stage's (approx_kl, veto_token_fraction) per update
         saved = self.policy.load_latest()
         if cfg.algo.uses_reference:  # the KL term's π_ref: the run's initial weights (not built at coefficient 0)
@@ -58,11 +70,33 @@ class Trainer:
                    + self.mode.where(self.state.stage))
         elif self.policy.loaded_from != self.policy.hf_source:
             _print(f"a new run from the weights in {self.policy.loaded_from}")
+        if self.mode.streams and self.state.queue is None:  # async: the queue's cursor starts at its first group
+            self.state.queue = QueueCursor()
         settings = {**self.plan.summary(), **vars(cfg.algo), **vars(cfg.policy.optimizer)}  # wandb's run config
         tracker = make_tracker(cfg.tracker, cfg.save, settings) if parallel.is_main_rank() else None
         self.metrics = MetricsLogger(str(cfg.save), cfg.tensorboard_dir, enabled=parallel.is_main_rank(),
                                      elapsed_offset=self.state.elapsed, tracker=tracker)
         self.metrics.truncate(stage=self.state.stage, update=self.state.update)
+
+    # -- the run
+    def train(self) -> None:
+        """The mode's loop, to the run's last update and its final evaluation, then the run's record and summary."""
+        from megamu.loop.async_ import train_async
+        from megamu.loop.staged import train_staged
+
+        if self.mode.streams:  # §5.1: an engine process streams groups while the trainer trains
+            train_async(self)
+        else:  # §4, every stage k: publish θ_k, offload, generate D_k, onload, prune, μ updates on D_k
+            train_staged(self)
+        self.finish()
+        self._trained = True
+
+    def close(self) -> None:
+        """Stop the process groups ``__init__`` started, after a run that ended. After an error they are left to the
+        launcher, as torchtitan/train.py's main destroys its process group only when training returned: a destroy
+        behind a collective that failed on another rank may hang."""
+        if self._trained:
+            parallel.destroy_distributed()
 
     # -- Stateful: what a checkpoint carries besides the policy's weights and optimiser (flat, as checkpoints
     # written before the Trainer have it: RunState's keys beside "plan")
@@ -126,6 +160,31 @@ class Trainer:
         """The final policy as an HF folder (hf/final), for its held-out evaluation and for the user."""
         return self.policy.weights(hf_dir=self.run_dir.final_export)
 
+    # -- evaluation (rank 0 scores; megamu.loop.heldout)
+    def sampling(self, stage: int) -> SamplingParams:
+        """The rollout's sampling parameters for ``stage`` (its seed), stopping at the tokenizer's end tokens."""
+        return self.cfg.rollout.sampling(stage, stop_token_ids(self.tokenizer))
+
+    def evaluate(self, engine, scorer, stage: int, label: str, weights: Weights | None = None) -> float | None:
+        """The evaluation sets scored (rank 0) on the engine ``engine.eval_engine(weights)`` gives: the one holding
+        θ, or one holding ``weights`` (an HF folder); the seconds it took, for the run's ETA (None: nothing evaluated
+        here)."""
+        if not (parallel.is_main_rank() and self.prompts.eval_sets):
+            return None
+        evaluator: Engine = engine.eval_engine(weights)
+        return evaluate_sets(evaluator, self.prompts.eval_sets, self.sampling(stage), self.cfg.evaluation, scorer,
+                             self.tokenizer, self.metrics, stage=stage, update=self.state.update, label=label)
+
+    def final_evaluation(self, engine, scorer, stage: int) -> None:
+        """Every mode's last step: the final policy exported (collective, while every rank holds its weights), then
+        held-out on the engine the mode's ``engine`` gives for it (a kept-up engine takes the weights back, a
+        restarted one starts on them, the async engine process stops and one engine starts on them: the servers
+        take their memory back, or start, only once the trainer has given the device back), as stage ``stage``."""
+        final = self.export_final()
+        self.policy.offload()
+        self.evaluate(engine, scorer, stage, "final", final)
+        self.policy.onload()  # the spilled optimiser state comes back (and its spill files go) before the run's end
+
     def _log_stage(self, stage: int, dataset: StageDataset, **times: float) -> None:
         m = dataset.manifest
         drift = StageDrift.of(*zip(*self._stage_stats)) if self._stage_stats else None
@@ -159,6 +218,18 @@ class Trainer:
         self.metrics.close()
         if parallel.is_main_rank():
             print_summary(self.cfg.save, self.metrics.path)
+
+
+def _start_distributed(cfg: RunConfig) -> None:
+    """The process groups (megamu.runtime.parallel), after the CPU thread settings."""
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)  # CPU async: the engine process has the other cores
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
+    parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
+                              distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+                              expert_model_parallel_size=cfg.expert_model_parallel_size,
+                              expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
 
 
 def _print(msg: str) -> None:

@@ -17,6 +17,7 @@ from megamu.engines.weights import Weights
 from megamu.loop.heldout import EvalConfig
 from megamu.loop.staged import train_staged
 from megamu.loop.state import RunState
+from megamu.loop.trainer import Trainer
 from megamu.mode import mode_of
 from megamu.reward.config import RewardConfig
 from megamu.rollout import RolloutConfig
@@ -89,6 +90,8 @@ class FakeRun:
 
     def export_final(self) -> Weights:
         return self.policy.weights(hf_dir=self.run_dir.final_export)
+
+    sampling, evaluate, final_evaluation = Trainer.sampling, Trainer.evaluate, Trainer.final_evaluation  # the real ones
 
 
 @pytest.fixture

@@ -30,9 +30,9 @@ def train_async(trainer: TrainerView) -> None:
     """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
     cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
     engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, trainer.tokenizer, trainer.metrics,
-                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=trainer.mode)
+                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=plan.mode)
     if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline
-        trainer.mode.prune_before_start(run_dir)
+        plan.mode.prune_before_start(run_dir)
     parallel.wait_for_main_rank()
     engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), trainer.prompts.train)  # θ_t, collective
     bar = trainer.progress_bar("optimise (async)", total=plan.total_updates, initial=trainer.state.update)

@@ -3,9 +3,9 @@
 Each stage k: θ_k is published to the engine as β_k, the trainer offloads, rank 0's engine generates the static
 dataset D_k, the trainer onloads, the stage's HF export is pruned, and μ updates run on D_k. How the engine lives
 across stages (restarted each stage, or kept up and refreshed in place) is its lifecycle's business
-(megamu.engines.lifecycle), chosen once by the mode (megamu.mode) for the engine's config: this loop has no mode
-branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
-Trainer's (megamu.loop.trainer), as its mode says, and so are the evaluations, on the lifecycle's engine.
+(megamu.engines.lifecycle), chosen once by the plan's mode (megamu.mode) for the engine's config: this loop has no
+mode branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
+Trainer's (megamu.loop.trainer), as its plan says, and so are the evaluations, on the lifecycle's engine.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def probe_tokens(held_out: list, train: list) -> list[int] | None:
 
 def train_staged(trainer: TrainerView) -> None:
     """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
-    cfg, plan, policy, run_dir, mode = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir, trainer.mode
+    cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
+    mode = plan.mode
     probe_ids = probe_tokens(trainer.prompts.held_out, trainer.prompts.train)
     engine = mode.lifecycle(cfg.engine, trainer.metrics.log, probe_ids=probe_ids)  # how it lives across stages
     if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now

@@ -1,11 +1,11 @@
 """The Trainer: the owner of a μ-GRPO run (torchtitan's Trainer as the model: ``trainer = Trainer(cfg)``, then
 ``try: trainer.train() finally: trainer.close()``, as torchtitan/train.py's main does).
 
-It starts the process groups, builds the run's parts from their configs (megamu.config.run_config) and owns them: the
-mode (chosen once, here), the policy (model, optimiser, checkpoints, exports), the prompts, the metrics and the run's
-progress (the async queue's cursor included). ``train`` runs the mode's loop (megamu.loop.staged or
+It starts the process groups, builds the run's parts from their configs (megamu.config.run_config) and owns them:
+the plan (which holds the run's mode), the policy (model, optimiser, checkpoints, exports), the prompts, the metrics
+and the run's progress (the async queue's cursor included). ``train`` runs the mode's loop (megamu.loop.staged or
 megamu.loop.async_, which drive the engine) and the summary; ``close`` stops the process groups. It owns what every
-loop shares: one optimiser update with its record, the checkpoint cadence (the mode's), HF export retention (the
+loop shares: one optimiser update with its record, the checkpoint cadence (the plan's), HF export retention (the
 mode's), the stage counter (moved only by ``_stage_over``), evaluation on an engine holding θ and the run's one final
 evaluation, the ETA line and the final summary. What a checkpoint
 carries besides the policy's weights and optimiser is the Trainer's ``state_dict`` (torch.distributed.checkpoint's
@@ -27,7 +27,6 @@ from megamu.engines.weights import Weights
 from megamu.loop.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor, RunState
 from megamu.loop.summary import print_summary
-from megamu.mode import Mode, mode_of
 from megamu.observability.drift import StageDrift
 from megamu.observability.metrics import MetricsLogger
 from megamu.observability.tracking import make_tracker
@@ -51,7 +50,6 @@ class Trainer:
         _start_distributed(cfg)
         self.cfg: RunConfig = cfg
         self.plan: Plan = cfg.plan
-        self.mode: Mode = mode_of(cfg.plan.rollout_mode)  # the one place the run's mode is chosen
         self.run_dir = RunDir(cfg.save)
         self.eta_shown = False
         self.policy = Policy(cfg.policy)
@@ -67,10 +65,10 @@ class Trainer:
             self.load_state_dict(saved)
             how = "resumed from" if self.policy.resumed else "started from the earlier run in"
             _print(f"{how} {self.policy.loaded_from}: update {self.state.update} of {self.plan.total_updates}"
-                   + self.mode.where(self.state.stage))
+                   + self.plan.where(self.state.stage))
         elif self.policy.loaded_from != self.policy.hf_source:
             _print(f"a new run from the weights in {self.policy.loaded_from}")
-        if self.mode.streams and self.state.queue is None:  # async: the queue's cursor starts at its first group
+        if self.plan.mode.streams and self.state.queue is None:  # async: the queue's cursor starts at its first group
             self.state.queue = QueueCursor()
         settings = {**self.plan.summary(), **vars(cfg.algo), **vars(cfg.policy.optimizer)}  # wandb's run config
         tracker = make_tracker(cfg.tracker, cfg.save, settings) if parallel.is_main_rank() else None
@@ -84,7 +82,7 @@ class Trainer:
         from megamu.loop.async_ import train_async
         from megamu.loop.staged import train_staged
 
-        if self.mode.streams:  # §5.1: an engine process streams groups while the trainer trains
+        if self.plan.mode.streams:  # §5.1: an engine process streams groups while the trainer trains
             train_async(self)
         else:  # §4, every stage k: publish θ_k, offload, generate D_k, onload, prune, μ updates on D_k
             train_staged(self)
@@ -105,7 +103,7 @@ class Trainer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.state.load_state_dict(state_dict)
-        if self.mode.stage_complete(self.state.stage, self.state.update, self.plan.mu):
+        if self.plan.stage_complete(self.state.stage, self.state.update):
             self._stage_over(self.state.stage)  # saved at a stage's end: its rollout and updates are done
 
     def _stage_over(self, stage: int) -> None:
@@ -115,24 +113,24 @@ class Trainer:
     # -- the run's steps
     def train_on(self, samples: list, bar, **fields) -> None:
         """One optimiser update; its metrics record (plus ``fields``) every --log-interval updates and at each
-        stage's (or the run's) end, a checkpoint when the mode's cadence says, an HF export every
+        stage's (or the run's) end, a checkpoint when the plan's cadence says, an HF export every
         --hf-export-interval updates."""
         cfg, plan, update = self.cfg, self.plan, self.state.update + 1
         stats = self.policy.update(samples, cfg.algo)
         self.state.update = update
-        if self.mode.has_stages:
+        if plan.mode.has_stages:
             self._stage_stats.append((stats["approx_kl"], stats["veto_token_fraction"]))
-        if self.mode.log_due(update, plan.mu, plan.total_updates, cfg.log_interval):
+        if plan.log_due(update, cfg.log_interval):
             self.metrics.log("update", step=update, stage=self.state.stage, update=update - 1, **stats, **fields)
         bar.update(1)
         bar.set_postfix_str(update_postfix(stats))
-        if self.mode.checkpoint_due(update, plan.mu, plan.total_updates, cfg.save_interval):
+        if plan.checkpoint_due(update, cfg.save_interval):
             self.state.elapsed = self.metrics.elapsed()
             self.policy.save(update, extra=self.state_dict())
         if cfg.hf_export_interval and update % cfg.hf_export_interval == 0:
             self.policy.export(self.run_dir.iter_export(update))  # for evaluate.py --run
             if parallel.is_main_rank():
-                self.mode.prune_iter_exports(self.run_dir, keep=cfg.keep_hf_exports)
+                plan.mode.prune_iter_exports(self.run_dir, keep=cfg.keep_hf_exports)
         crash_point("update", update)
 
     def stage_done(self, stage: int, dataset: StageDataset, **times: float) -> None:

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from megamu.engines.types import SamplingParams
     from megamu.engines.weights import Weights
     from megamu.loop.state import RunState
-    from megamu.mode import Mode
     from megamu.observability.metrics import MetricsLogger
     from megamu.rollout.dataset import StageDataset
     from megamu.run.run_dir import RunDir
@@ -26,8 +25,7 @@ class TrainerView(Protocol):
     """The run's parts and the steps every loop shares; the engine and what it does are the loop's."""
 
     cfg: RunConfig
-    plan: Plan
-    mode: Mode
+    plan: Plan  # and its mode: plan.mode
     policy: Policy
     run_dir: RunDir
     tokenizer: Any

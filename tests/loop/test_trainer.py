@@ -7,15 +7,17 @@ import pytest
 
 import megamu.loop.async_ as async_loop
 import megamu.loop.staged as staged_loop
+from megamu.config.plan import AsyncPlan, StagedPlan
 from megamu.loop.trainer import Trainer
-from megamu.mode import ASYNC, COLOCATED, STAGED
 from megamu.runtime import parallel
 
+PLANS = {"staged": StagedPlan(), "colocated": StagedPlan(rollout_mode="colocated"), "async": AsyncPlan(train_iters=4)}
 
-def bare_trainer(mode, calls: list) -> Trainer:
+
+def bare_trainer(mode: str, calls: list) -> Trainer:
     """A Trainer without its parts: what train and close do with them is recorded."""
     trainer = object.__new__(Trainer)
-    trainer.mode, trainer._trained = mode, False
+    trainer.plan, trainer._trained = PLANS[mode], False
     trainer.finish = lambda: calls.append("finish")
     return trainer
 
@@ -23,20 +25,21 @@ def bare_trainer(mode, calls: list) -> Trainer:
 @pytest.fixture
 def calls(monkeypatch) -> list:
     calls: list = []
-    monkeypatch.setattr(staged_loop, "train_staged", lambda trainer: calls.append(("staged loop", trainer.mode.name)))
-    monkeypatch.setattr(async_loop, "train_async", lambda trainer: calls.append(("async loop", trainer.mode.name)))
+    monkeypatch.setattr(staged_loop, "train_staged", lambda t: calls.append(("staged loop", t.plan.rollout_mode)))
+    monkeypatch.setattr(async_loop, "train_async", lambda t: calls.append(("async loop", t.plan.rollout_mode)))
     monkeypatch.setattr(parallel, "destroy_distributed", lambda: calls.append("destroy"))
     return calls
 
 
-@pytest.mark.parametrize("mode, loop", [(STAGED, "staged loop"), (COLOCATED, "staged loop"), (ASYNC, "async loop")])
+@pytest.mark.parametrize("mode, loop", [("staged", "staged loop"), ("colocated", "staged loop"),
+                                        ("async", "async loop")])
 def test_train_runs_the_modes_loop_then_the_runs_record_and_close_stops_the_groups(calls, mode, loop):
     trainer = bare_trainer(mode, calls)
     try:
         trainer.train()
     finally:
         trainer.close()
-    assert calls == [(loop, mode.name), "finish", "destroy"]
+    assert calls == [(loop, mode), "finish", "destroy"]
 
 
 def test_after_a_failed_loop_close_leaves_the_groups_to_the_launcher(calls, monkeypatch):
@@ -44,7 +47,7 @@ def test_after_a_failed_loop_close_leaves_the_groups_to_the_launcher(calls, monk
         raise RuntimeError("rank 1 lost")
 
     monkeypatch.setattr(staged_loop, "train_staged", crash)
-    trainer = bare_trainer(STAGED, calls)
+    trainer = bare_trainer("staged", calls)
     with pytest.raises(RuntimeError, match="rank 1 lost"):
         try:
             trainer.train()

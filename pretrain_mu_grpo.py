@@ -10,12 +10,9 @@ import os
 import warnings
 from contextlib import nullcontext
 
-import torch
-
 from megamu.arguments import check_memory, parse_args
 from megamu.memory.memory_plan import plan_memory
 from megamu.run.run_lock import RunDirLocked, RunLock
-from megamu.runtime import parallel
 
 # megatron-core announces its fallbacks when Apex/TE are absent (always, on CPU); they are expected, not actionable.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
@@ -33,36 +30,20 @@ def main(argv=None) -> None:
         check_memory(memory)  # a plan that cannot fit the device stops here, naming the line that overflows
     if cfg.dry_run:
         return
+    from megamu.loop.trainer import Trainer
+
     # one run per --save: a second launch on it stops here, before it writes anything (rank 0 holds the lock)
     try:
         with RunLock(cfg.save) if os.environ.get("RANK", "0") == "0" else nullcontext() as lock:
             if lock and lock.taken_over:
                 print(f"--save {cfg.save}: took over the lock of a run that is gone ({lock.taken_over})", flush=True)
-            train(cfg)
+            trainer = Trainer(cfg)  # the process groups, the policy, the prompts, the progress (resumed if saved)
+            try:
+                trainer.train()  # the mode's loop, its final evaluation, the summary
+            finally:
+                trainer.close()
     except RunDirLocked as e:
         raise SystemExit(str(e)) from None
-
-
-def train(cfg) -> None:
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)  # CPU async: the engine process has the other cores
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        torch.set_num_threads(1)  # torchrun ranks share the cores; spinning OpenMP workers slow everyone down
-    parallel.init_distributed(cfg.tensor_model_parallel_size, cfg.seed, cfg.device,
-                              distributed_timeout_minutes=cfg.distributed_timeout_minutes,
-                              expert_model_parallel_size=cfg.expert_model_parallel_size,
-                              expert_tensor_parallel_size=cfg.expert_tensor_parallel_size)
-    from megamu.loop.async_ import train_async
-    from megamu.loop.staged import train_staged
-    from megamu.loop.trainer import Trainer
-
-    trainer = Trainer(cfg)  # the policy, the prompts, the run's progress: resumed from the last checkpoint if any
-    if trainer.mode.streams:  # §5.1: an engine process streams groups while the trainer trains
-        train_async(trainer)
-    else:  # §4, every stage k: publish θ_k, offload, generate D_k, onload, prune, μ updates on D_k
-        train_staged(trainer)
-    trainer.finish()
-    parallel.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The rollout mode (--rollout-mode), one object chosen once from its name: staged (§4), colocated (the fair
 standard-GRPO baseline) or async (§5.1).
 
-Everything that depends on the mode is asked of its ``Mode``: how the engine lives across stages (``lifecycle``),
-what the config derives from it (where servers sit, which weight pushes it allows, whether the trainer offloads),
-the checkpoint cadence, where a resumed run starts, and which HF exports may go when. No other module compares a mode
-name (tests/test_structure.py scans for it); ``mode_of`` is the one place a name becomes a ``Mode``.
+The run holds its mode once, in its plan (megamu.config.plan: ``plan.mode``, one plan type per family of modes, which
+also answers what needs the plan's counts: the checkpoint and log cadence, where a resumed run starts). Everything
+else that depends on the mode is asked of its ``Mode``: how the engine lives across stages (``lifecycle``), what the
+config derives from it (where servers sit, which weight pushes it allows, whether the trainer offloads), and which HF
+exports may go when. No other module compares a mode name (tests/test_structure.py scans for it); ``mode_of`` is the
+one place a name becomes a ``Mode``, and ``DEFAULT_MODE`` the one place the default is written.
 
 This module imports nothing of the loop or the trainer (the config tree and the memory plan ask it too); the
 lifecycles it builds come from megamu.engines.lifecycle, imported when asked for.
@@ -86,34 +88,6 @@ class Mode:
 
         return ColocatedSGLang(cfg, log, probe_ids)
 
-    # -- checkpoints and resume
-    def checkpoint_due(self, update: int, mu: int | None, total_updates: int, interval: int) -> bool:
-        """Whether the update that brings the run to ``update`` updates saves a checkpoint. A restarted engine's
-        stages: every --save-interval updates of a stage and at each stage's end (a resume then skips the stage's
-        rollout). An engine refreshed every μ (= 4) updates (colocated) or every N (async): every --save-interval
-        updates of the run and at its end, not at each refresh (1024 checkpoints in the paper's GRPO baseline)."""
-        if self.restarts_engine:
-            in_stage = (update - 1) % mu + 1
-            return in_stage == mu or bool(interval and in_stage % interval == 0)
-        return update == total_updates or bool(interval and update % interval == 0)
-
-    def log_due(self, update: int, mu: int | None, total_updates: int, interval: int) -> bool:
-        """Whether the update that brings the run to ``update`` updates is logged: every --log-interval updates of a
-        stage and its last (staged modes), or of the run and its last (async)."""
-        if self.has_stages:
-            in_stage = (update - 1) % mu + 1
-            return in_stage % interval == 0 or in_stage == mu
-        return update == total_updates or update % interval == 0
-
-    def stage_complete(self, stage: int, update: int, mu: int | None) -> bool:
-        """A checkpoint of stage ``stage`` at ``update`` updates was saved at the stage's end: a resume skips its
-        rollout and updates. Async mode has no stages."""
-        return self.has_stages and update >= (stage + 1) * mu
-
-    def where(self, stage: int) -> str:
-        """The place in the run a resume message names after the update count."""
-        return f" (stage {stage})" if self.has_stages else ""
-
     # -- HF export retention (the run directory's folders the engine loads)
     def prune_before_start(self, run_dir: RunDir) -> None:
         """No engine is up yet: exports a killed run kept for one go (rank 0). Staged modes: every hf/stage_k whose
@@ -150,6 +124,7 @@ COLOCATED = Mode("colocated", streams=False, keeps_engine_up=True)
 ASYNC = Mode("async", streams=True, keeps_engine_up=False)
 MODES = {m.name: m for m in (STAGED, COLOCATED, ASYNC)}
 MODE_NAMES = tuple(MODES)
+DEFAULT_MODE = STAGED  # --rollout-mode's default, and a plan built in code without one
 
 
 def mode_of(name: str, field: str = "rollout_mode") -> Mode:

@@ -327,12 +327,13 @@ def test_a_config_error_names_the_flag_of_its_field(tmp_path, bad, message):
 def test_typed_plans_count_their_own_shape():
     staged = StagedPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
                         rollout_mode="colocated", num_stages=3, mu=5)
-    assert (staged.total_updates, staged.prompts_per_stage, staged.weight_syncs, staged.is_async) == (15, 20, 3, False)
+    assert (staged.total_updates, staged.prompts_per_stage, staged.weight_syncs) == (15, 20, 3)
+    assert staged.mode.has_stages and not staged.mode.streams
     assert staged.summary()["max_tokens_per_stage"] == 20 * 8 * 64
     stream = AsyncPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
                        train_iters=9, weight_sync_interval=4, max_policy_lag=8)
     assert (stream.total_updates, stream.weight_syncs, stream.mu, stream.num_stages) == (9, 2, None, None)
-    assert (stream.rollout_mode, stream.is_async, stream.summary()["total_samples"]) == ("async", True, 9 * 4 * 8)
+    assert (stream.rollout_mode, stream.mode.streams, stream.summary()["total_samples"]) == ("async", True, 9 * 4 * 8)
     with pytest.raises(TypeError):  # a stage count has no place in an async plan
         AsyncPlan(prompts_per_update=4, n_samples_per_prompt=8, max_response_len=64, algorithm="grpo",
                   train_iters=9, weight_sync_interval=4, max_policy_lag=8, num_stages=2)

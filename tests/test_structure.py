@@ -203,7 +203,7 @@ def test_each_config_refuses_a_bad_value_naming_the_field(make, kwargs, field):
 
 
 MODE_NAMES = {"staged", "colocated", "async"}
-# Files allowed to compare a mode name, by count, as a ceiling: none (megamu.arguments asks mode_of too).
+# Files allowed to compare a mode name, by count, as a ceiling: none (megamu.arguments asks plan_type too).
 MODE_TESTS_LEFT: dict[str, int] = {}
 
 
@@ -223,7 +223,8 @@ def _mode_comparisons(path: Path) -> int:
 
 
 def test_no_mode_name_is_compared_outside_the_mode_object():
-    """The mode is decided once, by megamu.mode (mode_of); everyone else asks the Mode it gives."""
+    """The mode is decided once, by megamu.mode (mode_of, asked by the plan); everyone else asks the Mode the plan
+    holds."""
     root = PACKAGE.parent
     files = [*PACKAGE.rglob("*.py"), root / "pretrain_mu_grpo.py", *(root / "tools").rglob("*.py"),
              *(root / "bench").rglob("*.py")]

@@ -39,12 +39,12 @@ from megamu.arguments.slime import (
     translate_slime_arguments,
 )
 from megamu.config.loop_config import AsyncConfig
-from megamu.config.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage_counts
+from megamu.config.plan import AsyncPlan, Plan, StagedPlan, plan_type, stage_counts
 from megamu.config.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
 from megamu.memory.memory_fixes import fixes
-from megamu.mode import mode_of
+from megamu.mode import DEFAULT_MODE, MODE_NAMES
 from megamu.model.moe_settings import MoeSettings
 from megamu.rollout import RolloutConfig
 from megamu.runtime.device import Device
@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 
     g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-mode", choices=ROLLOUT_MODES, default="staged")
+    g.add_argument("--rollout-mode", choices=MODE_NAMES, default=None,  # resolved in parse_args (resolve_defaults):
+                   help=f"default {DEFAULT_MODE.name}")  # slime's --colocate may set it
     add_fields(g, PolicyConfig, ["offload_train"])
     add_fields(g, RolloutConfig, ["temperature", "top_p"])
     add_fields(g, StagedPlan, ["max_response_len"])  # the run's response bound: the plan's, passed to the rollout
@@ -132,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_megatron_arguments(p)
     add_model_arguments(p)
     add_slime_arguments(p)
-    # resolved in parse_args: slime's --colocate may set the mode; the server count follows the node's GPUs
-    p.set_defaults(rollout_mode=None)
     return p
 
 
@@ -150,7 +149,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
             _error("--global-batch-size", f"{args.global_batch_size} samples is not a whole number of groups of "
                                           f"--n-samples-per-prompt {args.n_samples_per_prompt}")
         args.prompts_per_update = args.global_batch_size // args.n_samples_per_prompt
-    if mode_of(args.rollout_mode).streams:  # async: updates on a stream, no stages
+    if plan_type(args.rollout_mode) is AsyncPlan:  # async: updates on a stream, no stages
         if args.prompts_per_stage is not None:
             _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
                                           "and --prompts-per-update")
@@ -272,7 +271,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_model_arguments(args, config)
     plan = plan_of(args)
     check_megatron_arguments(args, plan.prompts_per_update)
-    notes += convert_intervals(args, 1 if plan.is_async else plan.mu, plan.is_async)
+    notes += convert_intervals(args, 1 if plan.mode.streams else plan.mu, plan.mode.streams)
     dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
     algo = _config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
                    **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
@@ -287,7 +286,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
         checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
     rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
-    if plan.is_async:
+    if plan.mode.streams:
         async_ = _config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
     model_context(args, config)
     prompts = _config(

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from megamu.arguments.engine import _error
+from megamu.mode import DEFAULT_MODE
 from megamu.runtime.device import Device
 
 # verl's actor.loss_agg_mode default (volcengine/verl verl/trainer/config/actor/actor.yaml:82, b178a3c)
@@ -34,10 +35,10 @@ def gpus_per_node(args: argparse.Namespace) -> int:
 
 
 def resolve_defaults(args: argparse.Namespace, device: Device) -> list[str]:
-    """The mode (staged); the engine itself and its server count follow from the run (RunConfig.derive). Returns the
-    lines announcing what was chosen."""
+    """The mode (megamu.mode.DEFAULT_MODE); the engine itself and its server count follow from the run
+    (RunConfig.derive). Returns the lines announcing what was chosen."""
     notes = []
-    args.rollout_mode = args.rollout_mode or "staged"
+    args.rollout_mode = args.rollout_mode or DEFAULT_MODE.name
     if args.rollout_engine is None and device.is_cuda:
         notes.append("rollout engine: sglang (the default on GPUs; --rollout-engine local for the in-process one)")
     return notes
@@ -47,7 +48,7 @@ def servers_note(run, given: int | None) -> list[str]:
     """The line announcing the SGLang server count a run chose (``given``: --sglang-num-servers, None if unset): one
     per --sglang-tp-size GPUs of the node when the servers take turns with the trainer or share its GPUs."""
     sg = run.engine.sglang
-    if given is not None or run.engine.kind != "sglang" or not run.for_gpu or run.plan.is_async:
+    if given is not None or run.engine.kind != "sglang" or not run.for_gpu or run.plan.mode.streams:
         return []
     return [f"SGLang servers: {sg.num_servers} per node x --sglang-tp-size {sg.tp_size} = {sg.num_servers * sg.tp_size}"
             f" of the node's {run.ranks_per_node} GPUs (default: nproc_per_node / --sglang-tp-size; "
@@ -65,7 +66,7 @@ def announcements(run, interval_unit: str | None = None) -> list[str]:
     if (algo.clip_low, algo.clip_high) != (0.2, 0.2):
         lines.append(f"ratio clip: [{1 - algo.clip_low:g}, {high}] ({run.algo.name}); slime's and verl's default is "
                      "[0.8, 1.2] (--clip-low/--eps-clip, --clip-high/--eps-clip-high)")
-    if (run.save_interval or run.evaluation.eval_interval) and not run.plan.is_async and run.plan.mu > 1 \
+    if (run.save_interval or run.evaluation.eval_interval) and not run.plan.mode.streams and run.plan.mu > 1 \
             and interval_unit is None:
         lines.append(f"intervals (--save-interval, --eval-interval) count optimiser updates, every {run.save_interval} "
                      f"and {run.evaluation.eval_interval} here; slime and verl count rollouts (1 rollout = μ = "

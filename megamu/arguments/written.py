@@ -31,7 +31,7 @@ def config_flags(run: RunConfig) -> list[str]:
     plan, prompts = run.plan, run.prompts
     argv = ["--rollout-mode", plan.rollout_mode, "--algorithm", run.algo.name,
             "--prompts-per-update", str(plan.prompts_per_update)]
-    argv += ["--train-iters", str(plan.train_iters)] if plan.is_async else \
+    argv += ["--train-iters", str(plan.train_iters)] if plan.mode.streams else \
         ["--num-stages", str(plan.num_stages), "--mu", str(plan.mu)]
     if prompts.files:
         argv += ["--prompt-data", ",".join(prompts.files)]

@@ -1,7 +1,9 @@
-"""The run's shape, printed by --dry-run: ``StagedPlan`` (staged and colocated modes: stages of μ updates on a
-static dataset each) or ``AsyncPlan`` (async mode: updates on a stream, no stages). ``Plan`` is either; both answer
-``rollout_mode``, ``is_async``, ``mu``, ``num_stages`` (None in async mode), ``total_updates``, ``summary()``,
-``describe()`` and ``json_line()``."""
+"""The run's shape, printed by --dry-run, and its mode, held once: ``StagedPlan`` (staged and colocated modes: stages of
+μ updates on a static dataset each) or ``AsyncPlan`` (async mode: updates on a stream, no stages); ``plan_type`` says
+which a mode name takes. ``Plan`` is either; both answer ``rollout_mode`` (the name, as checkpoints store it),
+``mode`` (its megamu.mode.Mode), ``mu``, ``num_stages`` (None in async mode), ``total_updates``, the cadences that
+need those counts (``checkpoint_due``, ``log_due``), where a resumed run stands (``stage_complete``, ``where``),
+``summary()``, ``describe()`` and ``json_line()``."""
 
 from __future__ import annotations
 
@@ -10,10 +12,8 @@ from dataclasses import dataclass
 
 from megamu.algo import AlgoConfig
 from megamu.config_fields import flag
-from megamu.errors import ConfigError, check_choice, check_positive
-
-ROLLOUT_MODES = ("staged", "colocated", "async")
-STAGED_MODES = ("staged", "colocated")
+from megamu.errors import ConfigError, check_positive
+from megamu.mode import DEFAULT_MODE, Mode, mode_of
 
 
 def stage_counts(prompts_per_stage: int | None, prompts_per_update: int | None, mu: int | None,
@@ -68,6 +68,11 @@ class PlanBase:
     def __post_init__(self):
         check_positive(self, "prompts_per_update", "n_samples_per_prompt", "max_response_len")
 
+    @property
+    def mode(self) -> Mode:
+        """The run's mode (``rollout_mode`` is its name, as the plan's dict in a checkpoint keeps it)."""
+        return mode_of(self.rollout_mode)
+
     def summary(self) -> dict:
         """Every count the plan implies (``rollout_mode``, ``total_updates``, ``weight_syncs``: the subclass's)."""
         return {"prompts_per_update": self.prompts_per_update, "n_samples_per_prompt": self.n_samples_per_prompt,
@@ -97,14 +102,39 @@ class StagedPlan(PlanBase):
 
     num_stages: int = 2
     mu: int = 16
-    rollout_mode: str = "staged"
+    rollout_mode: str = DEFAULT_MODE.name
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice(self, "rollout_mode", STAGED_MODES)
+        if not self.mode.has_stages:  # ConfigError for a name that is no mode
+            raise ConfigError("rollout_mode", f"{self.rollout_mode!r} has no stages: its plan is an AsyncPlan")
         check_positive(self, "num_stages", "mu")
 
-    is_async = False
+    def checkpoint_due(self, update: int, interval: int) -> bool:
+        """Whether the update that brings the run to ``update`` updates saves a checkpoint (``interval``:
+        --save-interval). A restarted engine's stages: every ``interval`` updates of a stage and at each stage's end
+        (a resume then skips the stage's rollout). An engine refreshed every μ (= 4) updates (colocated): every
+        ``interval`` updates of the run and at its end, not at each refresh (1024 checkpoints in the paper's GRPO
+        baseline)."""
+        if self.mode.restarts_engine:
+            in_stage = (update - 1) % self.mu + 1
+            return in_stage == self.mu or bool(interval and in_stage % interval == 0)
+        return _run_cadence(update, self.total_updates, interval)
+
+    def log_due(self, update: int, interval: int) -> bool:
+        """Whether the update that brings the run to ``update`` updates is logged: every ``interval``
+        (--log-interval) updates of a stage and its last."""
+        in_stage = (update - 1) % self.mu + 1
+        return in_stage % interval == 0 or in_stage == self.mu
+
+    def stage_complete(self, stage: int, update: int) -> bool:
+        """A checkpoint of stage ``stage`` at ``update`` updates was saved at the stage's end: a resume skips its
+        rollout and updates."""
+        return update >= (stage + 1) * self.mu
+
+    def where(self, stage: int) -> str:
+        """The place in the run a resume message names after the update count."""
+        return f" (stage {stage})"
 
     @property
     def total_updates(self) -> int:
@@ -150,14 +180,14 @@ class AsyncPlan(PlanBase):
 
     def __post_init__(self):
         super().__post_init__()
-        check_choice(self, "rollout_mode", ("async",))
+        if not self.mode.streams:  # ConfigError for a name that is no mode
+            raise ConfigError("rollout_mode", f"{self.rollout_mode!r} has stages: its plan is a StagedPlan")
         check_positive(self, "train_iters", "weight_sync_interval", "max_policy_lag")
         if self.max_policy_lag < self.weight_sync_interval:
             raise ConfigError("max_policy_lag", f"{self.max_policy_lag} is below the weight sync interval "
                               f"{self.weight_sync_interval}: between syncs the engine's weights fall that far behind, "
                               "so every sample would be dropped")
 
-    is_async = True
     num_stages = None  # no stages (the loops ask only in staged modes)
     mu = None
     prompts_per_stage = None
@@ -165,6 +195,22 @@ class AsyncPlan(PlanBase):
     @property
     def total_updates(self) -> int:
         return self.train_iters
+
+    def checkpoint_due(self, update: int, interval: int) -> bool:
+        """Every ``interval`` (--save-interval) updates of the run and at its end, not at each of the engine's
+        refreshes (every N updates)."""
+        return _run_cadence(update, self.total_updates, interval)
+
+    def log_due(self, update: int, interval: int) -> bool:
+        """Every ``interval`` (--log-interval) updates of the run and its last."""
+        return update == self.total_updates or update % interval == 0
+
+    def stage_complete(self, stage: int, update: int) -> bool:
+        """No stages: a resume never skips one."""
+        return False
+
+    def where(self, stage: int) -> str:
+        return ""
 
     @property
     def weight_syncs(self) -> int:
@@ -186,3 +232,14 @@ class AsyncPlan(PlanBase):
 
 
 Plan = StagedPlan | AsyncPlan
+
+
+def plan_type(rollout_mode: str) -> type[StagedPlan] | type[AsyncPlan]:
+    """The plan of the mode named ``rollout_mode`` (--rollout-mode): AsyncPlan where an engine process streams,
+    StagedPlan where stages of μ updates run on a static dataset. ConfigError for a name that is no mode."""
+    return AsyncPlan if mode_of(rollout_mode).streams else StagedPlan
+
+
+def _run_cadence(update: int, total_updates: int, interval: int) -> bool:
+    """Every ``interval`` updates of the run (0: none) and its last."""
+    return update == total_updates or bool(interval and update % interval == 0)

@@ -14,7 +14,6 @@ import psutil
 from megamu.algo import AlgoConfig
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import (  # noqa: F401  (the names run_config had)
-    ROLLOUT_MODES,
     AsyncPlan,
     Plan,
     StagedPlan,
@@ -25,7 +24,6 @@ from megamu.data.stage_prompts import PromptsConfig
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
 from megamu.memory.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
-from megamu.mode import mode_of
 from megamu.observability.tracking import TrackerConfig
 from megamu.reward.pool import default_num_workers
 from megamu.rollout import RolloutConfig
@@ -88,7 +86,7 @@ class RunConfig:
     tracker: TrackerConfig = TrackerConfig()
 
     def __post_init__(self):
-        if (self.async_ is not None) != self.plan.is_async:
+        if (self.async_ is not None) != self.plan.mode.streams:
             raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
         self.derive()
         check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -109,7 +107,7 @@ class RunConfig:
         if self.distributed_timeout_minutes is not None and not self.distributed_timeout_minutes > 0:
             raise ConfigError("distributed_timeout_minutes", f"must be > 0, got {self.distributed_timeout_minutes}")
         if self.engine.kind == "sglang" and self.engine.sglang.weight_sync == "memory" \
-                and not mode_of(self.plan.rollout_mode).shares_trainer_devices:
+                and not self.plan.mode.shares_trainer_devices:
             raise ConfigError("engine.sglang.weight_sync", "memory needs --rollout-mode colocated (staged mode starts "
                                                            "each stage's servers from the stage's export)")
         if self.async_ is not None and self.async_.queue_groups < self.plan.prompts_per_update:
@@ -118,14 +116,14 @@ class RunConfig:
             raise ConfigError("async_.rollout_devices", "needs GPUs; on CPU the engine process shares the cores with "
                                                         "the trainer")
         interval = self.evaluation.eval_interval
-        if interval and self.plan.is_async:
+        if interval and self.plan.mode.streams:
             raise ConfigError("evaluation.eval_interval", "async mode evaluates after its last update only (its "
                                                           "engine process has no held-out prompts)")
         if interval and interval % self.plan.mu:
             raise ConfigError("evaluation.eval_interval", f"{interval} is not a multiple of μ = {self.plan.mu}: "
                                                           "evaluations run on the engine, which holds the policy of "
                                                           "a stage's start")
-        if self.recompute_behaviour_logprobs and not mode_of(self.plan.rollout_mode).has_stages:
+        if self.recompute_behaviour_logprobs and not self.plan.mode.has_stages:
             raise ConfigError("recompute_behaviour_logprobs", "recompute needs a static dataset; async mode uses the "
                                                               "engine's log-probs")
         self._check_dapo()
@@ -149,9 +147,9 @@ class RunConfig:
         if buffer and buffer >= limit:
             raise ConfigError("algo.overlong_buffer", f"{buffer} tokens leaves no unpunished length under the "
                               f"response limit of {limit} (--rollout-max-response-len); DAPO used 4096 of 20480")
-        if self.algo.dynamic_sampling and self.plan.is_async:
+        if self.algo.dynamic_sampling and self.plan.mode.streams:
             raise ConfigError("algo.dynamic_sampling", "refills a stage's dataset: staged and colocated modes only")
-        if buffer and self.plan.is_async:
+        if buffer and self.plan.mode.streams:
             raise ConfigError("algo.overlong_buffer", "shapes a stage's rewards: staged and colocated modes only")
         per_round = self.algo.sampling_round_prompts
         if per_round is not None and not self.algo.dynamic_sampling:
@@ -177,7 +175,7 @@ class RunConfig:
                               offload_dir=(run_dir.offload, "policy.checkpoint.save (RunDir(save).offload)"))
         if policy.offload_train is None:
             # staged and colocated engines take turns with the trainer for the device; async ones have their own
-            policy = build_at("policy", replace, policy, offload_train=not plan.is_async)
+            policy = build_at("policy", replace, policy, offload_train=plan.mode.trainer_offloads)
         if not policy.optimizer.lr_decay_iters:  # lr decays over the run's updates unless given
             policy = replace(policy, optimizer=build_at("policy.optimizer", replace, policy.optimizer,
                                                         lr_decay_iters=plan.total_updates))
@@ -195,14 +193,14 @@ class RunConfig:
         if engine.kind == "sglang" and sglang.num_servers is None:
             # on GPUs the servers of a staged or colocated run take the trainer's: one per tp_size GPUs of the node
             # (none idle during rollout); async servers have GPUs of their own (--rollout-devices)
-            fill = self.for_gpu and not plan.is_async
+            fill = self.for_gpu and not plan.mode.streams
             sglang = build_at("engine.sglang", replace, sglang,
                               num_servers=max(1, self.ranks_per_node // sglang.tp_size) if fill else 1)
         if engine.kind == "sglang":  # colocated servers share the trainer's devices; staged and async ones do not
             # a CPU dry run planning for GPUs (--bf16, Transformer Engine) shows (and memory-plans) the servers as
             # the GPU run places them; anything that starts is placed for its own device
             backend = "nccl" if self.dry_run and self.for_gpu else device.backend
-            shares = mode_of(plan.rollout_mode).shares_trainer_devices
+            shares = plan.mode.shares_trainer_devices
             sglang = build_at("engine.sglang", sglang.placed, shares, backend)
         dtype = engine.dtype or ("bfloat16" if self.policy.bf16 else "float32")  # the engine runs what is exported
         set_("engine", build_at("engine", replace, engine, dtype=dtype, sglang=sglang))
@@ -308,7 +306,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     except ConfigError as e:
         print(f"note: no memory plan for this model: {e.message}", flush=True)
         return None
-    sg, mode = engine.sglang, mode_of(plan.rollout_mode)
+    sg, mode = engine.sglang, plan.mode
     args = list(sg.extra_server_args)
     fraction = next((float(v) for k, v in zip(args, args[1:]) if k == "--mem-fraction-static"), None)
     servers = sg.num_servers * sg.tp_size if engine.kind == "sglang" else 1

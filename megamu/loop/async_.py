@@ -18,25 +18,21 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from megamu.data.prompts import stop_token_ids
-from megamu.engines import build_engine
 from megamu.loop.engine_process import EngineProcess
-from megamu.loop.heldout import evaluate_sets
-from megamu.loop.state import QueueCursor
+from megamu.reward import make_scorer
 from megamu.runtime import parallel
 
 if TYPE_CHECKING:
-    from megamu.loop.trainer import Trainer
+    from megamu.loop.trainer_view import TrainerView
 
 
-def train_async(trainer: Trainer) -> None:
+def train_async(trainer: TrainerView) -> None:
     """One update at a time on groups streamed from the engine process, which never stops generating (§5.1)."""
     cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
-    trainer.state.queue = trainer.state.queue or QueueCursor()
     engine = EngineProcess(cfg.async_, cfg.rollout, cfg.engine, run_dir, trainer.tokenizer, trainer.metrics,
-                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=trainer.mode)
+                           max_policy_lag=plan.max_policy_lag, queue=trainer.state.queue, mode=plan.mode)
     if parallel.is_main_rank():  # sync folders past this checkpoint came from a lost timeline
-        trainer.mode.prune_before_start(run_dir)
+        plan.mode.prune_before_start(run_dir)
     parallel.wait_for_main_rank()
     engine.start(policy.weights(hf_dir=run_dir.sync_export(policy.version)), trainer.prompts.train)  # θ_t, collective
     bar = trainer.progress_bar("optimise (async)", total=plan.total_updates, initial=trainer.state.update)
@@ -48,17 +44,12 @@ def train_async(trainer: Trainer) -> None:
             t0 = time.monotonic()  # θ to the engine: it finishes its current shard, then reloads
             engine.publish(policy.weights(hf_dir=run_dir.sync_export(policy.version)), done, t0)
     bar.close()
-    final = trainer.export_final()  # collective: before rank 0 alone stops the engine process
-    engine.stop()  # the engine process's memory is free for the evaluation's engine
-    if parallel.is_main_rank() and trainer.prompts.eval_sets:
-        from megamu.reward import make_scorer
-
-        evaluator, scorer = build_engine(cfg.engine, final.hf_dir), make_scorer(cfg.rollout.reward)
-        try:
-            # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
-            sampling = cfg.rollout.sampling(1, stop_token_ids(trainer.tokenizer))
-            evaluate_sets(evaluator, trainer.prompts.eval_sets, sampling, cfg.evaluation, scorer, trainer.tokenizer,
-                          trainer.metrics, stage=1, update=trainer.state.update, label="final")
-        finally:
-            evaluator.shutdown()
+    # the final evaluation's engine: the engine process stops (rank 0) and one engine starts on the final weights
+    scorer = make_scorer(cfg.rollout.reward) if parallel.is_main_rank() and trainer.prompts.eval_sets else None
+    try:
+        # "stage" 1: after the run's one stream, as a staged run's final evaluation follows its last stage
+        trainer.final_evaluation(engine, scorer, 1)
+    finally:
+        engine.stop()  # the engine process, or the evaluation's engine that followed it
+        if scorer is not None:
             scorer.close()

@@ -1,5 +1,6 @@
 """The async mode's engine process (paper §5.1), the trainer's side: start it on θ, take batches from its durable
-queue in order (groups past the policy lag K dropped and counted), point it at new weights, stop it.
+queue in order (groups past the policy lag K dropped and counted), point it at new weights, stop it, and give the final
+evaluation an engine on the final weights.
 
 It is the async mode's counterpart of the staged modes' lifecycles (megamu.engines.lifecycle), kept in megamu.loop
 because the queue it reads is the rollout's shard format (megamu.rollout.dataset), which engines never import
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 
 from megamu.config.loop_config import AsyncConfig
 from megamu.data.prompts import PromptRecord, stop_token_ids
-from megamu.engines import EngineConfig
+from megamu.engines import Engine, EngineConfig, build_engine
 from megamu.engines.weights import Weights
 from megamu.loop.async_worker import (
     CONFIG,
@@ -60,6 +61,7 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
         self._shard: tuple[int, list[RolloutSample]] | None = None  # the last shard read
         self._last_return: float | None = None
+        self._evaluator: Engine | None = None  # the final evaluation's (``eval_engine``)
 
     def start(self, weights: Weights, train_prompts: list[PromptRecord]) -> None:
         """Start the engine process on ``weights`` (an HF folder); it resumes the queue after its last stored shard."""
@@ -133,7 +135,18 @@ class EngineProcess:
         self.metrics.log("sync", step=update, update=update, version=weights.version,
                          t_sync=time.monotonic() - t_start, in_flight="finish_on_old_weights")
 
+    def eval_engine(self, weights: Weights) -> Engine:
+        """Rank 0, after the stream (the Trainer's final evaluation): the process stops, its memory is the evaluation
+        engine's, and one engine starts on ``weights``' folder, as a restarted stage's does; ``stop`` shuts it down."""
+        self.stop()
+        self._evaluator = build_engine(self.engine, weights.hf_dir)
+        return self._evaluator
+
     def stop(self) -> None:
+        """The engine process, or the evaluation's engine that followed it, stops."""
+        if self._evaluator is not None:
+            self._evaluator.shutdown()
+            self._evaluator = None
         if self.proc is None:
             return
         self.proc.terminate()

@@ -3,9 +3,9 @@
 Each stage k: θ_k is published to the engine as β_k, the trainer offloads, rank 0's engine generates the static
 dataset D_k, the trainer onloads, the stage's HF export is pruned, and μ updates run on D_k. How the engine lives
 across stages (restarted each stage, or kept up and refreshed in place) is its lifecycle's business
-(megamu.engines.lifecycle), chosen once by the mode (megamu.mode) for the engine's config: this loop has no mode
-branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
-Trainer's (megamu.loop.trainer), as its mode says.
+(megamu.engines.lifecycle), chosen once by the plan's mode (megamu.mode) for the engine's config: this loop has no
+mode branch and reads none of the lifecycle's fields. Checkpoints, export retention and the stage counter are the
+Trainer's (megamu.loop.trainer), as its plan says, and so are the evaluations, on the lifecycle's engine.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from megamu.algo.dapo import OverlongShaping
-from megamu.data.prompts import stop_token_ids
 from megamu.engines.lifecycle import EngineLifecycle
-from megamu.loop.heldout import evaluate_sets
 from megamu.reward import make_scorer
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.dynamic import run_dynamic_rollout
@@ -25,7 +23,7 @@ from megamu.rollout.phase import run_rollout_phase
 from megamu.runtime import parallel
 
 if TYPE_CHECKING:
-    from megamu.loop.trainer import Trainer
+    from megamu.loop.trainer_view import TrainerView
 
 PROBE_TOKENS = 32  # tokens whose teacher-forced log-probs check each SGLang push (``probe_tokens``)
 PROBE_PROMPTS = 4
@@ -43,9 +41,10 @@ def probe_tokens(held_out: list, train: list) -> list[int] | None:
     return ids if len(ids) > 1 else None
 
 
-def train_staged(trainer: Trainer) -> None:
+def train_staged(trainer: TrainerView) -> None:
     """Stages of generate-then-optimise (§4): the engine and the trainer take turns, every step visible here."""
-    cfg, plan, policy, run_dir, mode = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir, trainer.mode
+    cfg, plan, policy, run_dir = trainer.cfg, trainer.plan, trainer.policy, trainer.run_dir
+    mode = plan.mode
     probe_ids = probe_tokens(trainer.prompts.held_out, trainer.prompts.train)
     engine = mode.lifecycle(cfg.engine, trainer.metrics.log, probe_ids=probe_ids)  # how it lives across stages
     if parallel.is_main_rank():  # no engine is up yet: what a killed run kept for one goes now
@@ -64,7 +63,7 @@ def train_staged(trainer: Trainer) -> None:
                 rollout(trainer, engine, scorer, stage)
             if stage == 0 or cfg.evaluation.due(trainer.state.update):  # on the engine that holds θ_k (--eval-interval)
                 label = "base" if stage == 0 else f"update {trainer.state.update}"
-                t_eval = evaluate(trainer, engine, scorer, stage, label) or t_eval
+                t_eval = trainer.evaluate(engine, scorer, stage, label) or t_eval
             engine.offload()  # 4. staged: the engine exits; colocated: its servers release their memory
             parallel.wait_for_main_rank()  # ranks 1..N wait out the rollout on the CPU, not in an NCCL collective
             policy.onload()  # 5. the trainer's state comes back, bit for bit
@@ -75,7 +74,7 @@ def train_staged(trainer: Trainer) -> None:
         dataset = StageDataset(run_dir.stage_rollouts(stage))
         optimise(trainer, stage, dataset, t_eval)  # 7. μ updates on the static D_k
         trainer.stage_done(stage, dataset, t_export=t1 - t0, t_rollout=t2 - t1, t_train=time.perf_counter() - t2)
-    final_evaluation(trainer, engine, scorer)
+    trainer.final_evaluation(engine, scorer, plan.num_stages)  # the lifecycle's engine takes θ (or starts on it)
     engine.stop()
     if parallel.is_main_rank():
         mode.prune_at_end(run_dir)
@@ -83,12 +82,12 @@ def train_staged(trainer: Trainer) -> None:
         scorer.close()
 
 
-def rollout(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int) -> None:
+def rollout(trainer: TrainerView, engine: EngineLifecycle, scorer, stage: int) -> None:
     """D_k: the stage's prompts generated and scored, with DAPO's overlong shaping and dynamic sampling if on."""
     cfg, algo = trainer.cfg, trainer.cfg.algo
     overlong = OverlongShaping(cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty_factor) \
         if algo.overlong_buffer else None  # None or 0: off
-    kwargs = dict(sampling=sampling(trainer, stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
+    kwargs = dict(sampling=trainer.sampling(stage), n_samples=cfg.rollout.n_samples, scorer=scorer,
                   tokenizer=trainer.tokenizer, stage=stage, policy_version=trainer.policy.version,
                   groups_per_shard=cfg.rollout.groups_per_shard, shards_per_call=cfg.rollout.shards_per_call,
                   model_path=str(engine.served_folder() or ""), overlong=overlong)
@@ -100,29 +99,6 @@ def rollout(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int) -> No
                             metric=algo.filter_metric, fill=algo.fill_short_stage, **kwargs)
     else:
         run_rollout_phase(engine.serving(), trainer.prompts.for_stage(stage), out, **kwargs)
-
-
-def sampling(trainer: Trainer, stage: int):
-    return trainer.cfg.rollout.sampling(stage, stop_token_ids(trainer.tokenizer))
-
-
-def evaluate(trainer: Trainer, engine: EngineLifecycle, scorer, stage: int, label: str, weights=None) -> float | None:
-    """The evaluation sets scored (rank 0) on the engine holding θ, or with ``weights`` (an HF folder) loaded first;
-    the seconds it took, for the run's ETA (None: nothing evaluated here)."""
-    if not (parallel.is_main_rank() and trainer.prompts.eval_sets):
-        return None
-    return evaluate_sets(engine.eval_engine(weights), trainer.prompts.eval_sets, sampling(trainer, stage),
-                         trainer.cfg.evaluation, scorer, trainer.tokenizer, trainer.metrics, stage=stage,
-                         update=trainer.state.update, label=label)
-
-
-def final_evaluation(trainer: Trainer, engine: EngineLifecycle, scorer) -> None:
-    """The final policy exported (collective, while every rank holds its weights), then held-out: the servers that
-    evaluate it take their weights and KV cache back, or start, only once the trainer has given the device back."""
-    final = trainer.export_final()
-    trainer.policy.offload()
-    evaluate(trainer, engine, scorer, trainer.plan.num_stages, "final", final)
-    trainer.policy.onload()  # the spilled optimiser state comes back (and its spill files go) before the run's end
 
 
 def publish(policy, engine: EngineLifecycle, stage: int, export_dir) -> None:
@@ -140,7 +116,7 @@ def publish(policy, engine: EngineLifecycle, stage: int, export_dir) -> None:
     engine.onload()  # colocated: the servers' KV cache comes back
 
 
-def optimise(trainer: Trainer, stage: int, dataset: StageDataset, t_eval: float) -> None:
+def optimise(trainer: TrainerView, stage: int, dataset: StageDataset, t_eval: float) -> None:
     """μ updates on the static dataset D_k, resuming at the checkpoint's update; an ETA line after the first."""
     cfg, plan, state = trainer.cfg, trainer.plan, trainer.state
     start = state.update - stage * plan.mu

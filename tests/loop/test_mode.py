@@ -1,22 +1,24 @@
-"""The rollout mode's verbs (megamu.mode), each against counts written out from the paper's schedule or against what
-the run's config derives, and the Trainer's checkpointed state (Stateful) across a resume."""
+"""The rollout mode's verbs (megamu.mode) and the cadences its plan answers (megamu.config.plan), each against
+counts written out from the paper's schedule or against what the run's config derives, and the Trainer's
+checkpointed state (Stateful) across a resume."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megamu.arguments import parse_args
-from megamu.config.plan import AsyncPlan, StagedPlan
+from megamu.config.plan import AsyncPlan, StagedPlan, plan_type
 from megamu.engines import EngineConfig, SGLangConfig
 from megamu.engines.lifecycle import ColocatedLocal, RestartEachStage
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.errors import ConfigError
 from megamu.loop.state import QueueCursor, RunState
 from megamu.loop.trainer import Trainer
-from megamu.mode import ASYNC, COLOCATED, STAGED, mode_of
+from megamu.mode import ASYNC, COLOCATED, DEFAULT_MODE, STAGED, mode_of
 from megamu.rollout.dataset import MANIFEST
 from megamu.run.run_dir import RunDir
 from megamu.runtime.device import Device
@@ -29,31 +31,53 @@ def test_each_name_gives_its_mode_and_any_other_is_refused():
     assert e.value.field == "rollout_mode" and "'pipelined'" in e.value.message
 
 
-def saves(mode, *, mu: int, total: int, interval: int) -> list[int]:
-    return [u for u in range(1, total + 1) if mode.checkpoint_due(u, mu, total, interval)]
+def staged_plan(mode: str = "staged", *, mu: int = 4, stages: int = 3) -> StagedPlan:
+    return StagedPlan(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, rollout_mode=mode,
+                      num_stages=stages, mu=mu)
+
+
+def async_plan(iters: int) -> AsyncPlan:
+    return AsyncPlan(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, train_iters=iters,
+                     weight_sync_interval=4, max_policy_lag=8)
+
+
+def test_each_plan_holds_its_mode_and_refuses_the_other_family():
+    assert (staged_plan().mode, staged_plan("colocated").mode, async_plan(8).mode) == (STAGED, COLOCATED, ASYNC)
+    assert StagedPlan().mode is DEFAULT_MODE is STAGED  # a plan built in code without a mode: the flag's default
+    assert [plan_type(n) for n in ("staged", "colocated", "async")] == [StagedPlan, StagedPlan, AsyncPlan]
+    for build, bad in ((lambda: staged_plan("async"), "'async' has no stages"),
+                       (lambda: staged_plan("pipelined"), "'pipelined': expected one of"),
+                       (lambda: replace(async_plan(8), rollout_mode="staged"), "'staged' has stages")):
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert e.value.field == "rollout_mode" and bad in e.value.message
+
+
+def saves(plan, interval: int) -> list[int]:
+    return [u for u in range(1, plan.total_updates + 1) if plan.checkpoint_due(u, interval)]
 
 
 def test_checkpoint_cadence():
     # staged: each stage's end (a resume skips its rollout), and every interval-th update of a stage
-    assert saves(STAGED, mu=4, total=12, interval=0) == [4, 8, 12]
-    assert saves(STAGED, mu=4, total=12, interval=3) == [3, 4, 7, 8, 11, 12]
+    assert saves(staged_plan(), interval=0) == [4, 8, 12]
+    assert saves(staged_plan(), interval=3) == [3, 4, 7, 8, 11, 12]
     # colocated and async refresh every μ or N updates: every interval-th update of the run and its end only
-    assert saves(COLOCATED, mu=4, total=12, interval=0) == [12]
-    assert saves(COLOCATED, mu=4, total=12, interval=5) == [5, 10, 12]
-    assert saves(ASYNC, mu=None, total=12, interval=5) == [5, 10, 12]
+    assert saves(staged_plan("colocated"), interval=0) == [12]
+    assert saves(staged_plan("colocated"), interval=5) == [5, 10, 12]
+    assert saves(async_plan(12), interval=5) == [5, 10, 12]
 
 
 def test_log_cadence():
-    assert [u for u in range(1, 13) if STAGED.log_due(u, 4, 12, 3)] == [3, 4, 7, 8, 11, 12]
-    assert [u for u in range(1, 13) if COLOCATED.log_due(u, 4, 12, 3)] == [3, 4, 7, 8, 11, 12]
-    assert [u for u in range(1, 9) if ASYNC.log_due(u, None, 8, 3)] == [3, 6, 8]
+    assert [u for u in range(1, 13) if staged_plan().log_due(u, 3)] == [3, 4, 7, 8, 11, 12]
+    assert [u for u in range(1, 13) if staged_plan("colocated").log_due(u, 3)] == [3, 4, 7, 8, 11, 12]
+    assert [u for u in range(1, 9) if async_plan(8).log_due(u, 3)] == [3, 6, 8]
 
 
 def test_a_checkpoint_at_a_stage_end_completes_the_stage():
-    assert STAGED.stage_complete(1, 8, 4) and COLOCATED.stage_complete(1, 8, 4)
-    assert not STAGED.stage_complete(1, 6, 4)
-    assert not ASYNC.stage_complete(0, 8, None)  # no stages
-    assert (STAGED.where(2), ASYNC.where(0)) == (" (stage 2)", "")
+    assert staged_plan().stage_complete(1, 8) and staged_plan("colocated").stage_complete(1, 8)
+    assert not staged_plan().stage_complete(1, 6)
+    assert not async_plan(8).stage_complete(0, 8)  # no stages
+    assert (staged_plan().where(2), async_plan(8).where(0)) == (" (stage 2)", "")
 
 
 def test_each_mode_builds_its_lifecycle():
@@ -71,7 +95,7 @@ def test_the_config_derives_what_the_mode_says(name, tmp_path):
     placement; the memory plan's push and release follow the same mode."""
     cfg = parse_args(["--rollout-mode", name, "--save", str(tmp_path / "run"), "--rollout-engine", "sglang",
                       *(["--train-iters", "8"] if name == "async" else [])], device=Device("cpu"))
-    mode = mode_of(cfg.plan.rollout_mode)
+    mode = cfg.plan.mode
     assert mode.name == name
     assert cfg.policy.offload_train == (name != "async") == mode.trainer_offloads
     assert cfg.engine.sglang.shares_trainer_devices == (name == "colocated") == mode.shares_trainer_devices
@@ -125,25 +149,25 @@ def test_sync_and_iter_export_retention(tmp_path):
     assert names(run_dir.exports, "iter_*") == ["iter_0000004", "iter_0000006"]
 
 
-def bare_trainer(mode, plan) -> Trainer:
-    """A Trainer's checkpointed part only (its state, mode and plan): the model and the prompts play no part."""
+def bare_trainer(plan) -> Trainer:
+    """A Trainer's checkpointed part only (its state and plan): the model and the prompts play no part."""
     trainer = object.__new__(Trainer)
-    trainer.mode, trainer.plan, trainer.state = mode, plan, RunState()
+    trainer.plan, trainer.state = plan, RunState()
     return trainer
 
 
 def test_the_trainer_checkpoints_its_progress_and_a_resume_skips_a_finished_stage():
     plan = StagedPlan(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
                       num_stages=3, mu=4)
-    saved = bare_trainer(STAGED, plan)
+    saved = bare_trainer(plan)
     assert isinstance(saved, Stateful) and isinstance(saved.state, Stateful)
     saved.state.stage, saved.state.update, saved.state.elapsed = 1, 8, 12.5  # the save at stage 1's end
     checkpoint = saved.state_dict()
     assert checkpoint == {"stage": 1, "update": 8, "elapsed": 12.5, "rollout": {}, "plan": vars(plan)}
-    resumed = bare_trainer(STAGED, plan)
+    resumed = bare_trainer(plan)
     resumed.load_state_dict(checkpoint)
     assert (resumed.state.stage, resumed.state.update, resumed.state.elapsed) == (2, 8, 12.5)
-    mid = bare_trainer(STAGED, plan)
+    mid = bare_trainer(plan)
     mid.load_state_dict({**checkpoint, "update": 6})  # an --save-interval save inside stage 1: redo its rest
     assert (mid.state.stage, mid.state.update) == (1, 6)
 
@@ -151,8 +175,8 @@ def test_the_trainer_checkpoints_its_progress_and_a_resume_skips_a_finished_stag
 def test_an_async_checkpoint_carries_the_queue_cursor():
     plan = AsyncPlan(prompts_per_update=2, n_samples_per_prompt=4, max_response_len=8, algorithm="grpo",
                      train_iters=8, weight_sync_interval=4, max_policy_lag=8)
-    saved = bare_trainer(ASYNC, plan)
+    saved = bare_trainer(plan)
     saved.state.update, saved.state.queue = 8, QueueCursor(cursor=9, dropped_stale=4, idle_s=1.0, busy_s=2.0)
-    resumed = bare_trainer(ASYNC, plan)
+    resumed = bare_trainer(plan)
     resumed.load_state_dict(saved.state_dict())
     assert (resumed.state.stage, resumed.state.update, resumed.state.queue) == (0, 8, saved.state.queue)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megamu.algo import ALGORITHM_PRESETS
+from megamu.config.plan import StagedPlan
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle import base as lifecycle_base
 from megamu.engines.local import LocalEngine
@@ -17,7 +18,7 @@ from megamu.engines.weights import Weights
 from megamu.loop.heldout import EvalConfig
 from megamu.loop.staged import train_staged
 from megamu.loop.state import RunState
-from megamu.mode import mode_of
+from megamu.loop.trainer import Trainer
 from megamu.reward.config import RewardConfig
 from megamu.rollout import RolloutConfig
 from megamu.run.run_dir import RunDir
@@ -54,7 +55,7 @@ class FakePolicy:
 
 class FakeRun:
     """What train_staged reads of megamu.loop.trainer.Trainer; updates and stage records are recorded, not trained:
-    an update saves when the mode's cadence says (as the Trainer asks it), the stage counter moves at stage_done."""
+    an update saves when the plan's cadence says (as the Trainer asks it), the stage counter moves at stage_done."""
 
     def __init__(self, mode: str, root: Path, model: Path, num_stages: int, state: RunState, events: list):
         tok = build_char_tokenizer()
@@ -64,9 +65,7 @@ class FakeRun:
             log_interval=1, save_interval=0,
             rollout=RolloutConfig(n_samples=2, seed=1234, max_new_tokens=4, groups_per_shard=2,
                                   reward=RewardConfig(reward_fn="tests.rollout.rewards:parity", num_workers=1)))
-        self.mode = mode_of(mode)
-        self.plan = SimpleNamespace(num_stages=num_stages, mu=MU, prompts_per_update=2,
-                                    total_updates=num_stages * MU)
+        self.plan = StagedPlan(num_stages=num_stages, mu=MU, prompts_per_update=2, rollout_mode=mode)
         prompts = make_prompts(tok)
         self.prompts = SimpleNamespace(held_out=prompts[PROMPTS:], eval_sets={"held-out": prompts[PROMPTS:]},
                                        train=prompts[:PROMPTS], for_stage=lambda stage: prompts[:PROMPTS])
@@ -76,7 +75,7 @@ class FakeRun:
 
     def train_on(self, samples, bar):
         self.state.update += 1
-        save = self.mode.checkpoint_due(self.state.update, MU, self.plan.total_updates, self.cfg.save_interval)
+        save = self.plan.checkpoint_due(self.state.update, self.cfg.save_interval)
         self.events.append(("update", self.state.update, "save" if save else ""))
 
     def progress_bar(self, desc, total, initial):
@@ -89,6 +88,8 @@ class FakeRun:
 
     def export_final(self) -> Weights:
         return self.policy.weights(hf_dir=self.run_dir.final_export)
+
+    sampling, evaluate, final_evaluation = Trainer.sampling, Trainer.evaluate, Trainer.final_evaluation  # the real ones
 
 
 @pytest.fixture

@@ -96,3 +96,39 @@ def test_queue_positions_walk_the_epoch_stream():
     assert [p.prompt_id for p in first + second] == list(range(10))  # unique ids: the queue position
     assert sorted(p.answer for p in first) == sorted(p.answer for p in second) == [str(i) for i in range(5)]
     assert prompts_at(prompts, 7, 3, 4) == (first + second)[3:7]  # a pure function of the position
+
+
+class FakeProcess:
+    def __init__(self, events: list):
+        self.events = events
+
+    def terminate(self):
+        self.events.append("process terminated")
+
+    def wait(self, timeout=None):
+        self.events.append("process waited")
+
+
+class FakeEngine:
+    def __init__(self, events: list, hf_dir):
+        self.events, self.hf_dir = events, hf_dir
+        events.append(f"engine on {hf_dir}")
+
+    def shutdown(self):
+        self.events.append("engine shut down")
+
+
+def test_the_final_evaluation_engine_starts_after_the_process_stops_and_stop_shuts_it_down(tmp_path, monkeypatch):
+    import megamu.loop.engine_process as engine_process
+    from megamu.engines.weights import Weights
+
+    events: list = []
+    monkeypatch.setattr(engine_process, "build_engine", lambda cfg, hf_dir: FakeEngine(events, hf_dir))
+    rollout = make_rollout(tmp_path, [0, 0], max_lag=1)
+    rollout.proc = FakeProcess(events)
+    engine = rollout.eval_engine(Weights(version=3, hf_dir=tmp_path / "hf" / "final"))
+    assert engine.hf_dir == tmp_path / "hf" / "final" and rollout.proc is None
+    rollout.stop()
+    rollout.stop()  # twice (the async loop's finally): nothing more
+    assert events == ["process terminated", "process waited", f"engine on {tmp_path / 'hf' / 'final'}",
+                      "engine shut down"]

@@ -16,7 +16,8 @@ from megamu.engines import EngineConfig, SGLangConfig
 from megamu.engines.sglang.colocated import ColocatedSGLang
 from megamu.engines.sglang.weight_sync import SyncReport
 from megamu.engines.weights import Weights
-from megamu.loop.staged import final_evaluation, publish
+from megamu.loop.staged import publish
+from megamu.loop.trainer import Trainer
 
 
 class Events(list):
@@ -107,9 +108,11 @@ class FakeRun:
     def export_final(self):
         return self.policy.weights(hf_dir=Path("/final"))
 
+    sampling, evaluate = (lambda self, stage: None), Trainer.evaluate
+
 
 def test_final_evaluation_runs_after_the_trainer_offloads(events, monkeypatch):
-    import megamu.loop.staged as staged
+    import megamu.loop.trainer as trainer
 
     @dataclass
     class Plan:
@@ -123,14 +126,13 @@ def test_final_evaluation_runs_after_the_trainer_offloads(events, monkeypatch):
     class Prompts:
         eval_sets: dict
 
-    monkeypatch.setattr(staged, "sampling", lambda run, stage: None)
-    monkeypatch.setattr(staged, "evaluate_sets", lambda engine, *a, label, **k: events.append(f"evaluate {label}"))
+    monkeypatch.setattr(trainer, "evaluate_sets", lambda engine, *a, label, **k: events.append(f"evaluate {label}"))
     @dataclass
     class Cfg:
         evaluation: object = None
 
     run = FakeRun(FakePolicy(events), Plan(), State(), Prompts({"held-out": [object()]}), Cfg())
-    final_evaluation(run, colocated(events, warm=True, tensors=False), scorer=None)
+    Trainer.final_evaluation(run, colocated(events, warm=True, tensors=False), scorer=None, stage=2)
     assert events == ["gather", "trainer offload + empty_cache", "resume weights", "push folder",
                       "resume kv_cache,cuda_graph", "evaluate final", "trainer onload"]
 

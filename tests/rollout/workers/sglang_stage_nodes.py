@@ -24,7 +24,7 @@ from megamu.engines.lifecycle import EngineLifecycle
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.weights import Weights
-from megamu.mode import mode_of
+from megamu.mode import COLOCATED, STAGED
 from megamu.observability.metrics import MetricsLogger
 from megamu.reward.config import RewardConfig, make_scorer
 from megamu.rollout import RolloutConfig
@@ -93,7 +93,7 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
     run = RunDir(Path(record) / "run")
     metrics = MetricsLogger(str(Path(record) / "run"), None, enabled=dist.get_rank() == 0)
     engine = EngineConfig(kind="sglang", dtype="float32", sglang=cfg)
-    stages = mode_of("colocated" if mode == "colocated" else "staged").lifecycle(engine, metrics.log)
+    stages = (COLOCATED if mode == "colocated" else STAGED).lifecycle(engine, metrics.log)
     if mode == "colocated":
         colocated(stages, model_dir, model_dir_2, record, node, tok, sync, rollout, run)
         dist.destroy_process_group()

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    add_fields(g, RunConfig, ["gpu_memory_gib", "host_memory_gib"])
+    add_fields(g, RunConfig, ["gpu_memory_gib", "host_memory_gib", "measured_peaks"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)

@@ -24,6 +24,8 @@ from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
+from megamu.memory import measured_peaks as peaks_file
+from megamu.memory.device_memory import parse_gpu_memory
 from megamu.memory.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
 from megamu.mode import mode_of
 from megamu.observability.tracking import TrackerConfig
@@ -72,8 +74,12 @@ class RunConfig:
     dry_run: bool = flag("--dry-run", default=False, action="store_true",
                          help="validate and print the plan; start nothing")
     # The memory plan's own inputs; the plan is computed from the run where it is read (``memory``), not stored.
-    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
-        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
+    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=parse_gpu_memory, help=(
+        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks, in GiB as nvidia-smi "
+        "shows it, or h200 (143771 MiB, the default) or h100 (81559 MiB)"))
+    measured_peaks: str | None = flag("--measured-peaks", default=None, help=(
+        "the activation and logits peaks tools/gpu_check.py measured (its --measured-peaks file): the memory plan's "
+        "margin for them shrinks from 15 %% to what the measurement says"))
     host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
         "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
         "GPUs plans the host only when given)"))
@@ -86,6 +92,8 @@ class RunConfig:
         if (self.async_ is not None) != self.plan.is_async:
             raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
         self.derive()
+        if self.measured_peaks is not None:
+            peaks_file.load(self.measured_peaks)  # a bad file is refused at once, naming the entry
         check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "log_interval", "cpu_threads",
                        "world_size", "ranks_per_node")
         if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
@@ -318,4 +326,5 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
         else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,
         ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
+        measured_peaks=None if run.measured_peaks is None else peaks_file.load(run.measured_peaks),
         reward_workers=run.rollout.reward.num_workers or default_num_workers())

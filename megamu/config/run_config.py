@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 
-import psutil
-
 from megamu.algo import AlgoConfig
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import (  # noqa: F401  (the names run_config had)
@@ -33,6 +31,7 @@ from megamu.reward.pool import default_num_workers
 from megamu.rollout import RolloutConfig
 from megamu.run.run_dir import RunDir
 from megamu.runtime.device import Device
+from megamu.runtime.host_memory import host_memory_bytes
 from megamu.training.policy import PolicyConfig
 
 DEFAULT_ALGORITHM = "mu-grpo"  # --algorithm's default and a RunConfig's
@@ -81,8 +80,8 @@ class RunConfig:
         "the activation and logits peaks tools/gpu_check.py measured (its --measured-peaks file): the memory plan's "
         "margin for them shrinks from 15 %% to what the measurement says"))
     host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
-        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
-        "GPUs plans the host only when given)"))
+        "RAM of one node for the host-memory plan (default on GPU runs: the job's cgroup memory limit when one is set, "
+        "else the machine's RAM; a dry run without GPUs plans the host only when given)"))
     world_size: int | None = None  # derived: the launch's trainer ranks (torchrun's WORLD_SIZE, else 1)
     ranks_per_node: int | None = None  # derived: trainer ranks per node (torchrun's LOCAL_WORLD_SIZE, else the world)
     evaluation: EvalConfig = EvalConfig()
@@ -292,8 +291,8 @@ def model_context_length(hf_checkpoint: str | None) -> int | None:
 def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). The host plan: the node's
-    --host-memory-gib, else this machine's RAM (psutil) on GPUs (a node checking itself), else none (a dry run on a
-    machine without GPUs is not the node: its RAM says nothing)."""
+    --host-memory-gib, else the job's cgroup memory limit or this machine's RAM on GPUs (a node checking itself), else
+    none (a dry run on a machine without GPUs is not the node: its RAM says nothing)."""
     model_config = hf_model_config(run.policy.hf_checkpoint)
     if model_config is None or not run.for_gpu:
         return None
@@ -324,7 +323,7 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         push_bucket_mb=sg.weight_bucket_mb,
         push_bucket_copies=1 if world > 1 and not sg.urls else servers,  # rank_push.py
         host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
-        else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,
+        else host_memory_bytes() / 2**30 if run.device.is_cuda else None,
         ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
         measured_peaks=None if run.measured_peaks is None else peaks_file.load(run.measured_peaks),
         reward_workers=run.rollout.reward.num_workers or default_num_workers())

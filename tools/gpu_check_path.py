@@ -33,6 +33,17 @@ class PlanPoint:
     planned_step: int
     measured_state: int | None = None
     measured_step: int | None = None
+    planned_logits: int = 0  # the plan's logits term (part of planned_step)
+    measured_logits: int | None = None  # token_logprobs alone at the plan's scored tokens (logits_peak)
+    transformer_impl: str = "local"
+
+    def terms(self) -> tuple[dict[str, int], dict[str, int | None]]:
+        """(planned, measured) activation and logits terms: the step's peak less the logits' own is the activations'
+        (the plan adds the two: the logits are formed while the activations are held)."""
+        planned = {"activations": self.planned_step - self.planned_logits, "logits": self.planned_logits}
+        if self.measured_step is None or self.measured_logits is None:
+            return planned, {"activations": None, "logits": None}
+        return planned, {"activations": self.measured_step - self.measured_logits, "logits": self.measured_logits}
 
 
 def compare(p: PlanPoint) -> tuple[bool, str]:
@@ -53,7 +64,7 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     import torch
 
     from megamu.algo import ALGORITHM_PRESETS
-    from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, plan_memory
+    from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
     from megamu.model import ModelArch, build_model
     from megamu.runtime.device import Device
     from megamu.training import OptimizerConfig, build_optimizer
@@ -85,7 +96,31 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     rows = {r.part: r.bytes for r in plan.rows() if r.phase == "training" and r.counted}
     planned_state = sum(b for part, b in rows.items() if part.startswith(("params", "fp32", "Adam")))
     planned_step = sum(b for part, b in rows.items() if part.startswith(("activations", "logits")))
-    return PlanPoint(mbs, recompute, planned_state, planned_step, state, step)
+    planned_logits = sum(b for part, b in rows.items() if part.startswith("logits"))
+    logits = logits_peak(plan.config.scored_tokens, padded_vocab(config.vocab_size, 1)) if cuda else None
+    return PlanPoint(mbs, recompute, planned_state, planned_step, state, step, planned_logits, logits,
+                     transformer_impl)
+
+
+def logits_peak(scored_tokens: int, vocab: int) -> int:
+    """The allocator's peak of megamu's log-probs and entropy over fp32 logits [scored_tokens, vocab] (the output
+    layer's, as Float16Module hands them on), the logits included: what the plan's logits term counts."""
+    import torch
+
+    from megamu.model.logprobs import token_logprobs
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logits = torch.randn(scored_tokens, vocab, device="cuda", dtype=torch.float32, requires_grad=True)
+    targets = torch.randint(0, vocab, (scored_tokens,), device="cuda")
+    logp, entropy = token_logprobs(logits, targets, with_entropy=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del logits, targets, logp, entropy
+    return peak
 
 
 def bucket_is_shareable(cuda: bool) -> tuple[bool, str]:

@@ -43,7 +43,7 @@ from megamu.config.plan import ROLLOUT_MODES, AsyncPlan, Plan, StagedPlan, stage
 from megamu.config.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
-from megamu.memory.memory_fixes import fixes
+from megamu.memory.memory_fixes import fix_sets
 from megamu.mode import mode_of
 from megamu.rollout import RolloutConfig
 from megamu.runtime.device import Device
@@ -234,16 +234,27 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     check_device(args, device)
 
 
-def check_memory(plan) -> None:
-    """A MemoryPlan that overflows the device is an error naming the line that overflows and each flag whose change
-    alone makes it fit (megamu.memory.memory_fixes), else the device size."""
+# slime's spellings of the plan's fields: a fix is named in the flag the launch wrote
+SLIME_MEMORY_FLAGS = {"max_tokens_per_micro_batch": "--max-tokens-per-gpu"}
+
+
+def check_memory(plan, argv: list[str] | tuple[str, ...] = ()) -> None:
+    """A MemoryPlan that overflows the device is an error naming the line that overflows and each change that makes
+    it fit (megamu.memory.memory_fixes.fix_sets: a flag alone, or a layout with the budget that fits at it), in the
+    flags of ``argv`` where it wrote slime's (``SLIME_MEMORY_FLAGS``); else the device size."""
     try:
         plan.check()
     except ConfigError as e:
         if e.field != "gpu_memory_gib":
             _config(plan.check, at="memory")
-        remedies = [f"{flag_or_path('memory.' + field)}{'' if value is True else f' {value}'}"
-                    for field, value in fixes(plan.config)]
+        written = {field: slime for field, slime in SLIME_MEMORY_FLAGS.items()
+                   if any(a == slime or a.startswith(slime + "=") for a in argv)}
+
+        def flag(field: str, value) -> str:
+            name = written.get(field) or flag_or_path("memory." + field)
+            return name if value is True else f"{name} {value}"
+
+        remedies = [" ".join(flag(field, value) for field, value in changes) for changes in fix_sets(plan.config)]
         tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
         _error(flag_or_path("memory." + e.field), e.message + "." + tail)
 

@@ -288,6 +288,15 @@ def model_context_length(hf_checkpoint: str | None) -> int | None:
     return (hf_model_config(hf_checkpoint) or {}).get("max_position_embeddings")
 
 
+def world_source(world: int) -> str:
+    """Where a launch's world size came from, as megamu.arguments.defaults.world_size reads it."""
+    if "WORLD_SIZE" in os.environ:
+        return "from torchrun's WORLD_SIZE"
+    if world > 1:
+        return "from slime's --actor-num-nodes x --actor-num-gpus-per-node"
+    return "no torchrun WORLD_SIZE and no --actor-num-nodes/--actor-num-gpus-per-node: give them to plan a cluster"
+
+
 def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). The host plan: the node's
@@ -326,4 +335,5 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         else host_memory_bytes() / 2**30 if run.device.is_cuda else None,
         ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
         measured_peaks=None if run.measured_peaks is None else peaks_file.load(run.measured_peaks),
+        world_source=world_source(world),
         reward_workers=run.rollout.reward.num_workers or default_num_workers())

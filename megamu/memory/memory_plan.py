@@ -109,6 +109,7 @@ class MemoryPlanConfig:
     # what tools/gpu_check.py measured of the activation and logits terms (--measured-peaks): None, the plan adds
     # measured_peaks.UNMEASURED_MARGIN of both
     measured_peaks: MeasuredPeaks | None = None
+    world_source: str = ""  # where the launch's world size came from, for the table's second line
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -298,7 +299,10 @@ class MemoryPlan:
         batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
             f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
             + f"{c.micro_batch_size} rows x {c.max_seq_len})")
-        lines = [f"memory plan per GPU (GiB; device {device_label(device)}; trainer {layout}; {batch})"]
+        world, node = c.tp * c.dp, min(c.ranks_per_node, c.tp * c.dp)
+        lines = [f"memory plan per GPU (GiB; device {device_label(device)}; trainer {layout}; {batch})",
+                 f"world: {world} GPU{'s' if world > 1 else ''}, {-(-world // node)} node(s) x {node}"
+                 + (f" ({c.world_source})" if c.world_source else "")]
         for phase in self.phases():
             lines.append(phase)
             for r in self._rows:

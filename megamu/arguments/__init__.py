@@ -182,6 +182,22 @@ def check_paths(args: argparse.Namespace) -> None:
         if not args.dry_run:
             _error(flag, message)
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
+    if args.dry_run:
+        check_first_rows(args)
+
+
+def check_first_rows(args: argparse.Namespace, rows: int = 8) -> None:
+    """A dry run reads the first rows of each data file that is here (a run reads them all before its first
+    rollout): bad JSON or a row without the problem or answer keys is an error naming the file and the row."""
+    from megamu.data.prompts import first_rows_errors
+
+    files = {"--prompt-data": [] if args.prompt_data == BUILTIN_DATA else args.prompt_data.split(","),
+             "--eval-prompt-data": list(args.eval_prompt_data[1::2])}
+    for flag, paths in files.items():
+        errors = first_rows_errors([f for f in paths if os.path.exists(f)], args.prompt_key, answer_key(args), rows)
+        if errors:
+            _error(flag, f"the first {rows} rows of each file: " + "; ".join(errors[:5]) + (
+                f"; ... and {len(errors) - 5} more" if len(errors) > 5 else ""))
 
 
 def start_point_errors(args: argparse.Namespace) -> list[tuple[str, str]]:

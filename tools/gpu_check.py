@@ -14,8 +14,8 @@ Checks, on a random Qwen2-shaped model (~0.5B: Qwen2.5-0.5B's shape; tiny with -
   stage     pretrain_mu_grpo.py, one μ-GRPO stage of 2 updates, in-process engine, end to end
   logprobs  megamu's local spec (bf16) against transformers' log-probs, same weights, 2 layers of Qwen3-4B's config;
             te: TE's spec against the local spec (where TE imports); reshard: the checkpoint row's torch_dist save
-            loaded at TP 2 (CPU gloo), bitwise; ipc: tests/gpu/test_colocated_handoff.py; server: a push into a real
-            SGLang server with the log-prob probe (where SGLang is) -- tools/gpu_check_rows.py
+            loaded at TP 2 (CPU gloo), bitwise; ipc: tests/gpu/test_colocated_handoff.py; server: a CUDA IPC push into
+            a real SGLang server, probed before and after (where SGLang is) -- tools/gpu_check_rows.py
 Every row's verdict is a function of CPU tensors (tools/gpu_check_compare.py), tested with planted defects. The plan
 rows also measure the activation and logits terms; --measured-peaks PATH writes them for a launch's --measured-peaks.
 The train row fails below an MFU floor (gpu_check_compare.MFU_FLOOR). transformer-engine and SGLang are not on the
@@ -322,8 +322,10 @@ def run_checks(args) -> list[Row]:
         if only & {"ipc", "server"}:
             from tools import gpu_check_rows
 
-            checks = {"ipc": gpu_check_rows.ipc_check, "server": gpu_check_rows.server_check}
-            rows += [verdict_row(c, *check(cuda)) for c, check in checks.items() if c in only]
+            if "ipc" in only:
+                rows.append(verdict_row("ipc", *gpu_check_rows.ipc_check(cuda)))
+            if "server" in only:
+                rows.append(verdict_row("server", *gpu_check_rows.server_check(cuda, tmp)))
         if "stage" in only:
             rows.append(check_stage(cuda, tmp))
     if args.measured_peaks:

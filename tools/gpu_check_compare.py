@@ -18,6 +18,10 @@ U_BF16 = EPS_BF16 / 2
 # counted). A 0.5B model at 2048 tokens on the local spec sits well above it on a Hopper card; below it the run fell
 # back to fp32 math, to the CPU, or to a host sync per op.
 MFU_FLOOR = 0.10
+# the server row's probe: an fp32 server against transformers in fp32 on a tiny model, log-probs of size ~5: a few
+# fp32 ulps (~1e-6) apart on one device, up to ~1e-4 across kernels (tests/sglang_real uses 1e-4 on the CPU build);
+# another model's weights move them by ~1 (the row checks that too)
+PROBE_TOLERANCE = 1e-3
 
 
 def logprob_bounds(logit_scale: torch.Tensor, n_layers: int) -> tuple[torch.Tensor, float]:
@@ -86,3 +90,14 @@ def pytest_verdict(returncode: int, output: str, expected: int) -> tuple[bool | 
     if passed == 0 and counts.get("skipped"):
         return None, said
     return returncode == 0 and passed >= expected, said
+
+
+def push_verdict(before: float, after: float, tolerance: float) -> tuple[bool, str]:
+    """A weight push judged by the probe of the pushed weights' log-probs (mean |served - reference|): above the
+    tolerance before the push (else the probe cannot tell the weights apart and proves nothing) and within it after."""
+    said = f"probe {before:.2e} before the push, {after:.2e} after (tolerance {tolerance:g})"
+    if not before > tolerance:
+        return False, said + ": the probe cannot tell the old weights from the new"
+    if not after <= tolerance:  # NaN fails too
+        return False, said + ": the server does not serve the pushed weights"
+    return True, said

@@ -8,20 +8,21 @@ verdict in tools/gpu_check_compare.py, which the CPU tests feed planted defects.
   reshard    the torch_dist checkpoint the checkpoint row saved (on CUDA, TP 1) loaded at TP 2 in a CPU gloo world of
              2 (tools/gpu_check_reshard.py), its full tensors against the saving model's, bitwise
   ipc        tests/gpu/test_colocated_handoff.py (the CUDA IPC hand-off to a second process), run by pytest
-  server     a weight push into a real SGLang server with the log-prob probe (tests/sglang_real, where SGLang
-             imports and MEGAMU_SGLANG_VENV names its venv)
+  server     a tensor push (CUDA IPC) into a real SGLang server megamu launches on this GPU, judged by the
+             log-prob probe before (must fail) and after (must pass) the push, where SGLang imports
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tools.gpu_check_compare import compare_bitwise, compare_logprobs, pytest_verdict
+from tools.gpu_check_compare import PROBE_TOLERANCE, compare_bitwise, compare_logprobs, push_verdict, pytest_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_CONFIG = REPO / "tests" / "fixtures" / "hf" / "Qwen3-4B" / "config.json"
@@ -131,15 +132,51 @@ def ipc_check(cuda: bool) -> tuple[bool | None, str]:
     return _pytest(["tests/gpu/test_colocated_handoff.py"], expected=2)
 
 
-def server_check(cuda: bool) -> tuple[bool | None, str]:
-    """A tensor push into a real SGLang server and its log-prob probe (tests/sglang_real)."""
-    venv = os.environ.get("MEGAMU_SGLANG_VENV")
-    if importlib.util.find_spec("sglang") is None and not venv:
-        return None, "SGLang is not installed (and MEGAMU_SGLANG_VENV is unset)"
+def server_check(cuda: bool, root: Path) -> tuple[bool | None, str]:
+    """A tensor push into a real SGLang server on this GPU (megamu launches it), judged by the log-prob probe: the
+    probe of the new weights must fail before the push (it tells the weights apart) and pass after it."""
+    if importlib.util.find_spec("sglang") is None:
+        return None, "SGLang is not installed"
     if not cuda:
         return None, "the GPU server push needs CUDA (make test-sglang runs the CPU build)"
-    return _pytest(["tests/sglang_real", "-k", "tensor_push_into_the_server or memory_sync_matches_the_new_weights"],
-                   expected=2, env={"MEGAMU_SGLANG_TESTS": "1"})
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megamu.engines.sglang.client import SGLangEngine
+    from megamu.engines.sglang.launch import SGLangConfig
+    from megamu.engines.sglang.tensor_sync import send_tensors
+    from megamu.engines.sglang.weight_sync import WeightMismatch, check_probe
+    from megamu.engines.weights import LogprobProbe
+    from tests.ports import server_ports
+    from tests.tiny import save_tiny_model
+
+    base, new = save_tiny_model(root / "base", "llama", seed=0), save_tiny_model(root / "new", "llama", seed=13)
+    model = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    ids = [5, 9, 14, 20, 33, 41, 50, 61]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    probe = LogprobProbe(ids, want, tolerance=PROBE_TOLERANCE)
+    config = SGLangConfig(port_base=server_ports(), log_dir=str(root / "sglang-logs"), dtype="float32",
+                          extra_server_args=["--mem-fraction-static", "0.3"], startup_timeout_s=300,
+                          ).placed(colocated=True)  # one server, in-memory pushes, no memory saver (no trainer here)
+    engine = SGLangEngine(str(base), config)
+    try:
+        def probed() -> float:  # megamu's probe, its mean |served - reference| whether or not it is within tolerance
+            served = engine.teacher_forced_logprobs(ids)
+            return sum(abs(a - b) for a, b in zip(served, want)) / len(want) if len(served) == len(want) else math.inf
+
+        before = probed()
+        sent = send_tensors(engine.pool, {k: v.cuda() for k, v in model.state_dict().items()}, "1")
+        after = probed()
+        try:
+            check_probe(engine, probe)  # what a colocated refresh runs after its push
+        except WeightMismatch:
+            after = max(after, PROBE_TOLERANCE * 2)
+    finally:
+        engine.shutdown()
+    ok, verdict = push_verdict(before, after, PROBE_TOLERANCE)
+    return ok, f"{verdict}; {sent / 2**20:.1f} MiB pushed"
 
 
 def _pytest(args: list[str], expected: int, env: dict | None = None) -> tuple[bool | None, str]:

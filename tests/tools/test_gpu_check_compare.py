@@ -151,3 +151,14 @@ def test_a_gpu_test_run_passes_only_when_all_its_tests_passed():
     assert pytest_verdict(0, "ss\n2 skipped in 0.1s\n", expected=2)[0] is None  # a skip, never a pass
     assert pytest_verdict(0, ".s\n1 passed, 1 skipped in 0.1s\n", expected=2)[0] is False
     assert pytest_verdict(2, "interrupted: 1 error\n", expected=2)[0] is False
+
+
+def test_the_server_row_fails_when_the_push_did_not_land_or_the_probe_is_blind():
+    from tools.gpu_check_compare import PROBE_TOLERANCE, push_verdict
+
+    assert push_verdict(0.8, 2e-5, PROBE_TOLERANCE)[0]
+    ok, verdict = push_verdict(0.8, 0.8, PROBE_TOLERANCE)  # the server kept its old weights
+    assert not ok and "does not serve the pushed weights" in verdict
+    ok, verdict = push_verdict(1e-5, 1e-5, PROBE_TOLERANCE)  # old and new weights indistinguishable by the probe
+    assert not ok and "cannot tell" in verdict
+    assert not push_verdict(0.8, float("nan"), PROBE_TOLERANCE)[0]

@@ -33,13 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.gpu_check_compare import compare_bitwise, compare_peaks, mfu_verdict  # noqa: E402
+from tools.gpu_check_compare import Row, compare_bitwise, mfu_verdict, size  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM datasheet, dense (no sparsity)
 NEEDED = ("megatron.core", "math_verify", "pyarrow")
@@ -49,15 +49,6 @@ QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num
 
 CHECKS = ("train", "offload", "checkpoint", "reshard", "plan", "buckets", "ep-agree", "logprobs", "ipc", "server",
           "stage")
-
-
-@dataclass
-class Row:
-    check: str
-    ok: bool
-    result: str
-    detail: str = ""
-    skipped: bool = False  # could not run here (the result says why): neither a pass nor a failure
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,10 +147,6 @@ def build(args, cuda: bool):
     # the local spec (torch SDPA): transformer-engine is not on the stock image
     model = build_model(arch, device=device, transformer_impl="local", bf16=cuda)
     return model, arch, build_optimizer(model, OptimizerConfig(lr=1e-6), device)
-
-
-def size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def sync(cuda: bool) -> None:
@@ -315,7 +302,11 @@ def run_checks(args) -> list[Row]:
                     rows.append(check_reshard(args, tmp))
             rows = [r for r in rows if r.check in only]
             del model, opt
-            rows += path_rows(args, cuda, only, measured)
+            from tools.gpu_check_path import path_rows
+
+            config = model_config(args)
+            samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)
+            rows += path_rows(args, cuda, only, measured, config, samples)
             if "logprobs" in only:
                 rows += logprob_rows(cuda, tmp)
             parallel.destroy_distributed()
@@ -345,58 +336,6 @@ def write_measured(path: str, measured: list, rows: list[Row]) -> None:
 
     measured_peaks.write(path, measured, device=torch.cuda.get_device_name())
     rows.append(Row("peaks", True, f"{len(measured)} measured terms written to {path}"))
-
-
-def path_rows(args, cuda: bool, only: set[str], measured: list) -> list[Row]:
-    """The colocated path's checks (tools/gpu_check_path.py): plan vs measured peaks, push buckets, EP agreement.
-    ``measured``: the plan rows' measured activation and logits terms are appended (MeasuredTerm)."""
-    from tools import gpu_check_path as path
-
-    rows = []
-    if "plan" in only:
-        from tests.tiny import tiny_hf_config
-
-        config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
-        samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)
-        for mbs in (args.micro_batch_size // 2 or 1, args.micro_batch_size):
-            for recompute in (None, "full"):
-                p = path.plan_point(config, mbs, recompute, args.seq_len, args.seq_len // 4, cuda, samples)
-                rows.append(plan_row(f"plan mb{mbs}{'-rc' if recompute else ''}", p, path, measured))
-        rows.append(te_plan_row(args, cuda, config, samples, path, measured))
-    if "buckets" in only:
-        rows.append(Row("buckets", *path.bucket_is_shareable(cuda)))
-    if "ep-agree" in only:
-        ok, verdict = path.ep_agreement(cuda)
-        rows.append(Row("ep-agree", bool(ok), verdict, skipped=ok is None))
-    return rows
-
-
-def plan_row(check: str, p, path, measured: list) -> Row:
-    """The state and step against the plan (gpu_check_path.compare), and each measured term (activations, logits)
-    against its planned term (gpu_check_compare.compare_peaks); the measured terms go to ``measured``."""
-    from megamu.memory.measured_peaks import MeasuredTerm
-
-    ok, verdict = path.compare(p)
-    detail = f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}"
-    if p.measured_state is not None:
-        detail += f", measured {size(p.measured_state)} + {size(p.measured_step)}"
-    planned, got = p.terms()
-    if got["logits"] is not None:
-        terms_ok, said = compare_peaks(planned, got)
-        ok, detail = ok and terms_ok, f"{detail}; {said}"
-        measured += [MeasuredTerm(p.transformer_impl, t, planned[t], max(got[t], 1)) for t in planned if planned[t]]
-    return Row(check, ok, verdict, detail)
-
-
-def te_plan_row(args, cuda: bool, config, samples, path, measured: list) -> Row:
-    """The plan against the allocator on Transformer Engine's spec (the spec GPU runs use), where TE imports."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return Row("plan te", False, "transformer_engine is not installed", skipped=True)
-    if not cuda:
-        return Row("plan te", False, "Transformer Engine runs on CUDA only", skipped=True)
-    p = path.plan_point(config, args.micro_batch_size, None, args.seq_len, args.seq_len // 4, cuda, samples,
-                        transformer_impl="transformer_engine")
-    return plan_row("plan te", p, path, measured)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -8,8 +8,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class Row:
+    check: str
+    ok: bool
+    result: str
+    detail: str = ""
+    skipped: bool = False  # could not run here (the result says why): neither a pass nor a failure
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
 
 # bf16 keeps 8 significant bits: machine epsilon 2^-7 (torch.finfo(torch.bfloat16).eps), unit roundoff u = 2^-8
 EPS_BF16 = 2.0**-7

@@ -19,8 +19,11 @@ code on the CPU, where ``max_memory_allocated`` does not exist, so the plan rows
 from __future__ import annotations
 
 import gc
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.gpu_check_compare import Row, compare_peaks, size
 
 LOOSE = 2.0  # planned / measured above this: the plan is safe but loose, worth a look
 
@@ -201,3 +204,50 @@ def ep_agreement(cuda: bool) -> tuple[bool | None, str]:
         if proc.returncode != 0:
             return False, f"EP 2 world failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
         return ep_agree_verdict(json.loads(out.read_text()))
+
+
+def path_rows(args, cuda: bool, only: set[str], measured: list, config, samples) -> list[Row]:
+    """The colocated path's checks (tools/gpu_check_path.py): plan vs measured peaks, push buckets, EP agreement.
+    ``measured``: the plan rows' measured activation and logits terms are appended (MeasuredTerm); ``config``
+    and ``samples``: the model and data the plan rows train."""
+    rows = []
+    if "plan" in only:
+        for mbs in (args.micro_batch_size // 2 or 1, args.micro_batch_size):
+            for recompute in (None, "full"):
+                p = plan_point(config, mbs, recompute, args.seq_len, args.seq_len // 4, cuda, samples)
+                rows.append(plan_row(f"plan mb{mbs}{'-rc' if recompute else ''}", p, measured))
+        rows.append(te_plan_row(args, cuda, config, samples, measured))
+    if "buckets" in only:
+        rows.append(Row("buckets", *bucket_is_shareable(cuda)))
+    if "ep-agree" in only:
+        ok, verdict = ep_agreement(cuda)
+        rows.append(Row("ep-agree", bool(ok), verdict, skipped=ok is None))
+    return rows
+
+
+def plan_row(check: str, p: PlanPoint, measured: list) -> Row:
+    """The state and step against the plan (gpu_check_path.compare), and each measured term (activations, logits)
+    against its planned term (gpu_check_compare.compare_peaks); the measured terms go to ``measured``."""
+    from megamu.memory.measured_peaks import MeasuredTerm
+
+    ok, verdict = compare(p)
+    detail = f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}"
+    if p.measured_state is not None:
+        detail += f", measured {size(p.measured_state)} + {size(p.measured_step)}"
+    planned, got = p.terms()
+    if got["logits"] is not None:
+        terms_ok, said = compare_peaks(planned, got)
+        ok, detail = ok and terms_ok, f"{detail}; {said}"
+        measured += [MeasuredTerm(p.transformer_impl, t, planned[t], max(got[t], 1)) for t in planned if planned[t]]
+    return Row(check, ok, verdict, detail)
+
+
+def te_plan_row(args, cuda: bool, config, samples, measured: list) -> Row:
+    """The plan against the allocator on Transformer Engine's spec (the spec GPU runs use), where TE imports."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return Row("plan te", False, "transformer_engine is not installed", skipped=True)
+    if not cuda:
+        return Row("plan te", False, "Transformer Engine runs on CUDA only", skipped=True)
+    p = plan_point(config, args.micro_batch_size, None, args.seq_len, args.seq_len // 4, cuda, samples,
+                        transformer_impl="transformer_engine")
+    return plan_row("plan te", p, measured)

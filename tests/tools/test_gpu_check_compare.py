@@ -103,7 +103,6 @@ def test_bitwise_rows_catch_one_ulp_a_missing_tensor_and_a_dtype():
 
 
 def test_a_peak_above_the_plan_fails_its_row():
-    import tools.gpu_check as gpu_check
     from tools import gpu_check_path as path
 
     planned = {"activations": 100 * 2**20, "logits": 50 * 2**20}
@@ -114,12 +113,12 @@ def test_a_peak_above_the_plan_fails_its_row():
     point = path.PlanPoint(2, None, planned_state=1000, planned_step=150 * 2**20, measured_state=900,
                            measured_step=140 * 2**20, planned_logits=50 * 2**20, measured_logits=60 * 2**20)
     measured: list = []
-    row = gpu_check.plan_row("plan mb2", point, path, measured)
+    row = path.plan_row("plan mb2", point, measured)
     assert not row.ok and "ABOVE the plan: logits" in row.detail
     assert [(t.term, t.planned_bytes, t.measured_bytes) for t in measured] == [
         ("activations", 100 * 2**20, 80 * 2**20), ("logits", 50 * 2**20, 60 * 2**20)]
     fine = path.PlanPoint(2, None, 1000, 150 * 2**20, 900, 140 * 2**20, 50 * 2**20, 40 * 2**20)
-    assert gpu_check.plan_row("plan mb2", fine, path, []).ok
+    assert path.plan_row("plan mb2", fine, []).ok
 
 
 def test_the_measured_terms_file_is_what_a_launch_reads(tmp_path):

@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.gpu_check_compare import Row, compare_bitwise, mfu_verdict, size  # noqa: E402
+from tools.gpu_check_compare import Row, compare_bitwise, compare_peaks, mfu_verdict, size  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM datasheet, dense (no sparsity)
 NEEDED = ("megatron.core", "math_verify", "pyarrow")
@@ -183,6 +183,24 @@ def check_train(args, cuda, model, arch, opt) -> Row:
                f"{first['ratio_mean']:.4f}, skipped {opt.skipped_steps}")
 
 
+def check_context(cuda: bool) -> Row:
+    """What this process holds on the card outside torch's caching allocator (CUDA context, cuBLAS/cuDNN handles)
+    against the plan's per-process row (CUDA_CONTEXT_GIB, which also covers NCCL's buffers: none here, one process),
+    and the card's total memory against the plan's device sizes (megamu.memory.device_memory.DEVICE_MIB)."""
+    if not cuda:
+        return Row("context", False, "CUDA only", skipped=True)
+    import torch
+
+    from megamu.memory.device_memory import CUDA_CONTEXT_GIB, DEVICE_MIB
+
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    ok, said = compare_peaks({"context": int(CUDA_CONTEXT_GIB * 2**30)}, {"context": outside})
+    known = {mib: name for name, mib in DEVICE_MIB.items()}
+    card = f"card {total / 2**20:.0f} MiB ({known.get(round(total / 2**20), 'not a card the plan knows by name')})"
+    return Row("context", ok, said, f"{card}; nvidia-smi's used minus the allocator's reserved")
+
+
 def check_offload(cuda, model, opt, spill_dir: Path) -> Row:
     import torch
 
@@ -300,7 +318,7 @@ def run_checks(args) -> list[Row]:
                 rows.append(check_checkpoint(args, cuda, model, arch, opt, tmp / "ckpt"))
                 if "reshard" in only:
                     rows.append(check_reshard(args, tmp))
-            rows = [r for r in rows if r.check in only]
+            rows = [r for r in rows if r.check in only] + ([check_context(cuda)] if "train" in only else [])
             del model, opt
             from tools.gpu_check_path import path_rows
 

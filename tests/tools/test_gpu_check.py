@@ -73,8 +73,8 @@ def dry_run(tmp_path, *checks: str) -> tuple[subprocess.CompletedProcess, list[d
 
 def test_dry_run_checks_pass_on_cpu(tmp_path):
     proc, rows = dry_run(tmp_path, "train", "offload", "checkpoint")
-    assert [r["check"] for r in rows] == ["train", "offload", "checkpoint"]
-    assert all(r["ok"] for r in rows)
+    assert [r["check"] for r in rows] == ["train", "offload", "checkpoint", "context"]
+    assert all(r["ok"] for r in rows[:3]) and rows[3]["skipped"] and not rows[3]["ok"]  # the context: CUDA only
     assert re.search(r"^offload\s+PASS", proc.stdout, flags=re.M)
 
 

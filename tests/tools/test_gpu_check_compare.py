@@ -161,3 +161,54 @@ def test_the_server_row_fails_when_the_push_did_not_land_or_the_probe_is_blind()
     ok, verdict = push_verdict(1e-5, 1e-5, PROBE_TOLERANCE)  # old and new weights indistinguishable by the probe
     assert not ok and "cannot tell" in verdict
     assert not push_verdict(0.8, float("nan"), PROBE_TOLERANCE)[0]
+
+
+def test_the_offload_checkpoint_and_reshard_rows_fail_on_a_flipped_bit(tmp_path, monkeypatch):
+    """The rows themselves on the CPU (gpu_check --dry-run's model), once as they are and once with one element of
+    one weight moved by one ulp where the row's hand-off would have done it."""
+    import megamu.training
+    import tools.gpu_check as gpu_check
+    from megamu.model import unwrap
+    from megamu.runtime.parallel import destroy_distributed, init_distributed
+
+    def flip(model) -> None:
+        p = next(unwrap(model).parameters())
+        with torch.no_grad():
+            p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf"), dtype=p.dtype))
+
+    args = gpu_check.parse_args(["--dry-run"])
+    init_distributed(1)
+    try:
+        model, arch, opt = gpu_check.build(args, False)
+        assert gpu_check.check_train(args, False, model, arch, opt).ok  # Adam state for the rows below
+        assert gpu_check.check_offload(False, model, opt, tmp_path / "spill").ok
+        reload = opt.reload
+        monkeypatch.setattr(opt, "reload", lambda: (reload(), flip(model)))
+        row = gpu_check.check_offload(False, model, opt, tmp_path / "spill2")
+        assert not row.ok and "differ (1)" in row.result
+        monkeypatch.undo()
+
+        assert gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt").ok
+        load = megamu.training.load_checkpoint
+
+        def bad_load(folder, fresh, *rest):
+            out = load(folder, fresh, *rest)
+            flip(fresh)
+            return out
+
+        monkeypatch.setattr(megamu.training, "load_checkpoint", bad_load)
+        row = gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt2")
+        assert not row.ok and "differ (1)" in row.detail
+        monkeypatch.undo()
+
+        saved = dict(args.saved_weights)
+        name = next(iter(saved))
+        wrong = saved[name].clone()
+        wrong.view(-1)[0] += 1.0
+        args.saved_weights = {**saved, name: wrong}  # the TP 2 load against a tensor the save never held
+        (tmp_path / "ckpt").rename(tmp_path / "ckpt-keep")
+        (tmp_path / "ckpt2").rename(tmp_path / "ckpt")
+        row = gpu_check.check_reshard(args, tmp_path)
+        assert not row.ok and f"differ (1): ['{name}']" in row.result
+    finally:
+        destroy_distributed()

@@ -127,6 +127,7 @@ def test_ep_agree_skips_on_one_gpu(monkeypatch):
     assert ok is None and "needs 2 GPUs" in reason
 
 
+@pytest.mark.slow
 def test_reference_rows_run_on_cpu(tmp_path):
     """The rows issue 50 added, on the CPU: the reshard (TP 1 save loaded at TP 2 in a gloo world) and megamu against
     transformers pass; TE, the CUDA IPC test and the SGLang push skip with the reason, never pass; nothing measured,

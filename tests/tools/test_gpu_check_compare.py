@@ -163,6 +163,7 @@ def test_the_server_row_fails_when_the_push_did_not_land_or_the_probe_is_blind()
     assert not push_verdict(0.8, float("nan"), PROBE_TOLERANCE)[0]
 
 
+@pytest.mark.slow  # the reshard row starts a torchrun world
 def test_the_offload_checkpoint_and_reshard_rows_fail_on_a_flipped_bit(tmp_path, monkeypatch):
     """The rows themselves on the CPU (gpu_check --dry-run's model), once as they are and once with one element of
     one weight moved by one ulp where the row's hand-off would have done it."""

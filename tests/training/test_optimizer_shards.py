@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -153,6 +154,7 @@ def _writer_worker(rank: int, store_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a gloo world of 2 saving and loading through dist_checkpointing
 def test_only_the_writing_replica_stages_and_the_saved_state_loads_back_equal(tmp_path):
     mp.spawn(_writer_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
     full = _full(7, 23)

@@ -7,6 +7,7 @@ Run with no flags for the CPU demo; rerun the same command to resume.
 """
 
 import os
+import sys
 import warnings
 from contextlib import nullcontext
 
@@ -27,7 +28,8 @@ def main(argv=None) -> None:
             print(memory.table(), flush=True)
         print(cfg.plan.json_line(), flush=True)
     if memory:
-        check_memory(memory)  # a plan that cannot fit the device stops here, naming the line that overflows
+        # a plan that cannot fit the device stops here, naming the line that overflows and the flags that fit
+        check_memory(memory, sys.argv[1:] if argv is None else argv)
     if cfg.dry_run:
         return
     from megamu.loop.trainer import Trainer

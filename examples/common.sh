@@ -7,8 +7,8 @@
 #   RUN_ROOT=runs       SAVE_DIR overrides the run directory (default $RUN_ROOT/<model>/<algorithm>)
 #   SGLANG_URL          URL[,URL] of running SGLang servers or an sglang-router (default: start one server per GPU)
 #   DRY_RUN=1           validate the flags and print the plan only (python, no torchrun, no GPU, no weights needed)
-#   HOST_MEMORY_GIB     RAM of one node for the host-memory plan (default: read from the GPU machine that runs
-#                       this; a dry run without GPUs plans the host only when it is set)
+#   HOST_MEMORY_GIB     RAM of one node for the host-memory plan (default: the job's cgroup memory limit, else the
+#                       RAM of the GPU machine that runs this; a dry run without GPUs plans the host only when set)
 #   PYTHON, TORCHRUN    interpreters to launch with (default python, torchrun)
 # Extra arguments to a run script are appended to the flags and win over them (argparse: last one counts).
 

@@ -12,8 +12,14 @@ Checks, on a random Qwen2-shaped model (~0.5B: Qwen2.5-0.5B's shape; tiny with -
   plan ...  the memory plan against measured peaks, buckets: push-bucket allocation, ep-agree: EP micro-batch
             agreement at EP = 1 (tools/gpu_check_path.py says what each proves)
   stage     pretrain_mu_grpo.py, one μ-GRPO stage of 2 updates, in-process engine, end to end
-transformer-engine and SGLang are not on the stock image: the local layer spec (torch SDPA) and the in-process engine
-stand in for them. Exit status 1 when a check fails; the table also goes to --out as JSON.
+  logprobs  megamu's local spec (bf16) against transformers' log-probs, same weights, 2 layers of Qwen3-4B's config;
+            te: TE's spec against the local spec (where TE imports); reshard: the checkpoint row's torch_dist save
+            loaded at TP 2 (CPU gloo), bitwise; ipc: tests/gpu/test_colocated_handoff.py; server: a CUDA IPC push into
+            a real SGLang server, probed before and after (where SGLang is) -- tools/gpu_check_rows.py
+Every row's verdict is a function of CPU tensors (tools/gpu_check_compare.py), tested with planted defects. The plan
+rows also measure the activation and logits terms; --measured-peaks PATH writes them for a launch's --measured-peaks.
+The train row fails below an MFU floor (gpu_check_compare.MFU_FLOOR). transformer-engine and SGLang are not on the
+stock image: their rows skip with the reason there. Exit status 1 when a check fails; the table also goes to --out.
 """
 
 from __future__ import annotations
@@ -27,27 +33,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from tools.gpu_check_compare import Row, compare_bitwise, compare_peaks, mfu_verdict, size  # noqa: E402
+
 H200_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H200 SXM datasheet, dense (no sparsity)
 NEEDED = ("megatron.core", "math_verify", "pyarrow")
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096)
 
 
-CHECKS = ("train", "offload", "checkpoint", "plan", "buckets", "ep-agree", "stage")
-
-
-@dataclass
-class Row:
-    check: str
-    ok: bool
-    result: str
-    detail: str = ""
-    skipped: bool = False  # could not run here (the result says why): neither a pass nor a failure
+CHECKS = ("train", "offload", "checkpoint", "reshard", "plan", "buckets", "ep-agree", "logprobs", "ipc", "server",
+          "stage")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--only", nargs="+", choices=CHECKS, default=None)
     p.add_argument("--out", default=None, help="JSON report path (default: a temp file)")
+    p.add_argument("--measured-peaks", default=None, help=(
+        "write the activation and logits peaks the plan rows measured (GPU) to this file, for a launch's "
+        "--measured-peaks"))
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.dry_run else 5)
     args.seq_len = args.seq_len or (48 if args.dry_run else 2048)
@@ -100,22 +104,49 @@ def synthetic_samples(n: int, seq_len: int, vocab: int, seed: int):
     return out
 
 
+def model_config(args):
+    from tests.tiny import tiny_hf_config
+
+    return tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
+
+
+def verdict_row(check: str, ok: bool | None, verdict: str, detail: str = "") -> Row:
+    """A row from a (ok, verdict) of tools/gpu_check_compare.py or gpu_check_rows.py: ok None is a skip."""
+    return Row(check, bool(ok), verdict, detail, skipped=ok is None)
+
+
+def check_reshard(args, root: Path) -> Row:
+    """The checkpoint row's save (on CUDA at TP 1) loaded at TP 2 in a CPU gloo world, against the saving model."""
+    from tools.gpu_check_rows import reshard_check
+
+    hf = root / "config"
+    model_config(args).save_pretrained(hf)
+    return verdict_row("reshard", *reshard_check(root / "ckpt", hf, args.saved_weights, root / "reshard.pt"))
+
+
+def logprob_rows(cuda: bool, root: Path) -> list[Row]:
+    """megamu against transformers (local spec) and TE against local, on 2 layers of Qwen3-4B's config (GPU) or a
+    tiny Qwen3 (CPU)."""
+    from tests.tiny import save_tiny_model
+    from tools import gpu_check_rows as rows
+
+    hf = rows.write_real_config_model(root / "real") if cuda else save_tiny_model(root / "tiny-qwen3", "qwen3", 1)
+    what = "2 layers of Qwen3-4B's config, bf16" if cuda else "tiny Qwen3, fp32 (CPU)"
+    return [verdict_row("logprobs", *rows.logprobs_check(hf, cuda), what),
+            verdict_row("te", *rows.te_check(hf, cuda), what)]
+
+
 def build(args, cuda: bool):
     from megamu.model import ModelArch, build_model
     from megamu.runtime.device import Device
     from megamu.training import OptimizerConfig, build_optimizer
-    from tests.tiny import tiny_hf_config
 
-    config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
+    config = model_config(args)
     arch = ModelArch.from_hf(config)
     device = Device("cuda" if cuda else "cpu")
     # the local spec (torch SDPA): transformer-engine is not on the stock image
     model = build_model(arch, device=device, transformer_impl="local", bf16=cuda)
     return model, arch, build_optimizer(model, OptimizerConfig(lr=1e-6), device)
-
-
-def size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def sync(cuda: bool) -> None:
@@ -144,11 +175,30 @@ def check_train(args, cuda, model, arch, opt) -> Row:
     n_params = sum(p.numel() for p in model.parameters())
     tok_s = tokens / seconds
     mfu = 6 * n_params * tok_s / (H200_BF16_DENSE_TFLOPS * 1e12)
+    fast, speed = mfu_verdict(mfu) if cuda else (True, "(CPU: no MFU floor)")
     ok = abs(first["ratio_mean"] - 1) < 0.05 and all(s["loss"] == s["loss"] for s in stats) \
-        and not opt.skipped_steps
-    return Row("train", ok, f"{tok_s:,.0f} tok/s, MFU {100 * mfu:.1f}%" if cuda else f"{tok_s:,.0f} tok/s (CPU)",
+        and not opt.skipped_steps and fast
+    return Row("train", ok, f"{tok_s:,.0f} tok/s, {speed}" if cuda else f"{tok_s:,.0f} tok/s {speed}",
                f"{n_params / 1e6:.0f}M params, {tokens} tokens/update, {seconds:.2f} s/update, first ratio_mean "
                f"{first['ratio_mean']:.4f}, skipped {opt.skipped_steps}")
+
+
+def check_context(cuda: bool) -> Row:
+    """What this process holds on the card outside torch's caching allocator (CUDA context, cuBLAS/cuDNN handles)
+    against the plan's per-process row (CUDA_CONTEXT_GIB, which also covers NCCL's buffers: none here, one process),
+    and the card's total memory against the plan's device sizes (megamu.memory.device_memory.DEVICE_MIB)."""
+    if not cuda:
+        return Row("context", False, "CUDA only", skipped=True)
+    import torch
+
+    from megamu.memory.device_memory import CUDA_CONTEXT_GIB, DEVICE_MIB
+
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    ok, said = compare_peaks({"context": int(CUDA_CONTEXT_GIB * 2**30)}, {"context": outside})
+    known = {mib: name for name, mib in DEVICE_MIB.items()}
+    card = f"card {total / 2**20:.0f} MiB ({known.get(round(total / 2**20), 'not a card the plan knows by name')})"
+    return Row("context", ok, said, f"{card}; nvidia-smi's used minus the allocator's reserved")
 
 
 def check_offload(cuda, model, opt, spill_dir: Path) -> Row:
@@ -170,13 +220,15 @@ def check_offload(cuda, model, opt, spill_dir: Path) -> Row:
     start = time.perf_counter()
     opt.reload()
     t_back = time.perf_counter() - start
-    bitwise = all(torch.equal(p.detach(), params[n]) for n, p in named) and all(
-        torch.equal(opt.param_state(p)[k], states[n][k]) for n, p in named if n in states for k in states[n])
+    bitwise, said = compare_bitwise({**params, **{f"{n}/{k}": v for n, st in states.items() for k, v in st.items()}},
+                                    {**{n: p.detach() for n, p in named}, **{
+                                        f"{n}/{k}": v for n, p in named if n in states
+                                        for k, v in opt.param_state(p).items()}})
     expected = train.total - rollout.total
     back = opt.memory()  # gradients come back zeroed on GPU, and on CPU at the next update's zero_grad
     ok = bitwise and freed >= expected and (back.params, back.main_params, back.moments) == (
         train.params, train.main_params, train.moments)
-    return Row("offload", ok, f"freed {size(freed)} (expected {size(expected)}), bitwise {bitwise}",
+    return Row("offload", ok, f"freed {size(freed)} (expected {size(expected)}), {said}",
                f"out {t_out:.2f} s, back {t_back:.2f} s ({expected / 2**30 / max(t_out, 1e-9):.1f} GiB/s out), "
                f"trainer_mem_train_gib {train.gib():.2f} {train.to_dict()}, trainer_mem_rollout_gib "
                f"{rollout.gib():.2f}")
@@ -199,13 +251,14 @@ def check_checkpoint(args, cuda, model, arch, opt, save_dir: Path) -> Row:
     t_load = time.perf_counter() - start
     pairs = list(zip(unwrap(model).parameters(), unwrap(fresh).parameters()))
     # canonical tensors: the vocab padding rows of a random init are not part of a checkpoint (loaded as zeros)
-    canonical = zip(full_state_dict(model, arch), full_state_dict(fresh, arch))
-    weights = all(torch.equal(a, b) for (_, a), (_, b) in canonical)
+    want = dict(full_state_dict(model, arch))
+    weights, said = compare_bitwise(want, dict(full_state_dict(fresh, arch)))
+    args.saved_weights = want  # the reshard row loads the same save at TP 2
     moments = all(torch.equal(opt.param_state(a)[k], fresh_opt.param_state(b)[k])
                   for a, b in pairs[:3] + pairs[-2:] for k in ("exp_avg", "exp_avg_sq"))
     ok = weights and moments and extra["iteration"] == 1
     return Row("checkpoint", ok, f"save {t_save:.1f} s, load {t_load:.1f} s, {size(disk)} on disk",
-               f"weights bitwise {weights}, moments bitwise {moments}")
+               f"weights: {said}, moments bitwise {moments}")
 
 
 def stage_flags(hf: Path, save: Path, cuda: bool) -> list[str]:
@@ -252,7 +305,8 @@ def run_checks(args) -> list[Row]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         tmp = Path(tmp)
-        if only & {"train", "offload", "checkpoint", "plan", "buckets", "ep-agree"}:
+        measured: list = []
+        if only & {"train", "offload", "checkpoint", "reshard", "plan", "buckets", "ep-agree", "logprobs"}:
             from megamu.runtime.device import Device
 
             parallel.init_distributed(tensor_model_parallel_size=1, seed=0, device=Device("cuda" if cuda else "cpu"))
@@ -260,56 +314,46 @@ def run_checks(args) -> list[Row]:
             rows.append(check_train(args, cuda, model, arch, opt))  # also gives the optimiser its Adam state
             if "offload" in only:
                 rows.append(check_offload(cuda, model, opt, tmp / "spill"))
-            if "checkpoint" in only:
+            if only & {"checkpoint", "reshard"}:
                 rows.append(check_checkpoint(args, cuda, model, arch, opt, tmp / "ckpt"))
-            if "train" not in only:
-                rows = [r for r in rows if r.check != "train"]
+                if "reshard" in only:
+                    rows.append(check_reshard(args, tmp))
+            rows = [r for r in rows if r.check in only] + ([check_context(cuda)] if "train" in only else [])
             del model, opt
-            rows += path_rows(args, cuda, only)
+            from tools.gpu_check_path import path_rows
+
+            config = model_config(args)
+            samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)
+            rows += path_rows(args, cuda, only, measured, config, samples)
+            if "logprobs" in only:
+                rows += logprob_rows(cuda, tmp)
             parallel.destroy_distributed()
+        if only & {"ipc", "server"}:
+            from tools import gpu_check_rows
+
+            if "ipc" in only:
+                rows.append(verdict_row("ipc", *gpu_check_rows.ipc_check(cuda)))
+            if "server" in only:
+                rows.append(verdict_row("server", *gpu_check_rows.server_check(cuda, tmp)))
         if "stage" in only:
             rows.append(check_stage(cuda, tmp))
+    if args.measured_peaks:
+        write_measured(args.measured_peaks, measured, rows)
     return rows
 
 
-def path_rows(args, cuda: bool, only: set[str]) -> list[Row]:
-    """The colocated path's checks (tools/gpu_check_path.py): plan vs measured peaks, push buckets, EP agreement."""
-    from tools import gpu_check_path as path
+def write_measured(path: str, measured: list, rows: list[Row]) -> None:
+    """The plan rows' measured terms for a launch's --measured-peaks; none measured (the CPU): nothing is written
+    (a plan fed CPU numbers would shrink its margin for nothing), said in a row."""
+    from megamu.memory import measured_peaks
 
-    rows = []
-    if "plan" in only:
-        from tests.tiny import tiny_hf_config
+    if not measured:
+        rows.append(Row("peaks", False, f"nothing measured on this device: {path} not written", skipped=True))
+        return
+    import torch
 
-        config = tiny_hf_config("qwen2") if args.dry_run else tiny_hf_config("qwen2", **QWEN2_05B)
-        samples = synthetic_samples(8, args.seq_len, config.vocab_size, seed=1)
-        for mbs in (args.micro_batch_size // 2 or 1, args.micro_batch_size):
-            for recompute in (None, "full"):
-                p = path.plan_point(config, mbs, recompute, args.seq_len, args.seq_len // 4, cuda, samples)
-                ok, verdict = path.compare(p)
-                measured = (f", measured {size(p.measured_state)} + {size(p.measured_step)}"
-                            if p.measured_state is not None else "")
-                rows.append(Row(f"plan mb{mbs}{'-rc' if recompute else ''}", ok, verdict,
-                                f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}{measured}"))
-        rows.append(te_plan_row(args, cuda, config, samples, path))
-    if "buckets" in only:
-        rows.append(Row("buckets", *path.bucket_is_shareable(cuda)))
-    if "ep-agree" in only:
-        ok, verdict = path.ep_agreement(cuda)
-        rows.append(Row("ep-agree", bool(ok), verdict, skipped=ok is None))
-    return rows
-
-
-def te_plan_row(args, cuda: bool, config, samples, path) -> Row:
-    """The plan against the allocator on Transformer Engine's spec (the spec GPU runs use), where TE imports."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return Row("plan te", False, "transformer_engine is not installed", skipped=True)
-    if not cuda:
-        return Row("plan te", False, "Transformer Engine runs on CUDA only", skipped=True)
-    p = path.plan_point(config, args.micro_batch_size, None, args.seq_len, args.seq_len // 4, cuda, samples,
-                        transformer_impl="transformer_engine")
-    ok, verdict = path.compare(p)
-    return Row("plan te", ok, verdict, f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}, "
-                                       f"measured {size(p.measured_state)} + {size(p.measured_step)}")
+    measured_peaks.write(path, measured, device=torch.cuda.get_device_name())
+    rows.append(Row("peaks", True, f"{len(measured)} measured terms written to {path}"))
 
 
 def print_table(rows: list[Row]) -> None:

@@ -19,8 +19,11 @@ code on the CPU, where ``max_memory_allocated`` does not exist, so the plan rows
 from __future__ import annotations
 
 import gc
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.gpu_check_compare import Row, compare_peaks, size
 
 LOOSE = 2.0  # planned / measured above this: the plan is safe but loose, worth a look
 
@@ -33,6 +36,17 @@ class PlanPoint:
     planned_step: int
     measured_state: int | None = None
     measured_step: int | None = None
+    planned_logits: int = 0  # the plan's logits term (part of planned_step)
+    measured_logits: int | None = None  # token_logprobs alone at the plan's scored tokens (logits_peak)
+    transformer_impl: str = "local"
+
+    def terms(self) -> tuple[dict[str, int], dict[str, int | None]]:
+        """(planned, measured) activation and logits terms: the step's peak less the logits' own is the activations'
+        (the plan adds the two: the logits are formed while the activations are held)."""
+        planned = {"activations": self.planned_step - self.planned_logits, "logits": self.planned_logits}
+        if self.measured_step is None or self.measured_logits is None:
+            return planned, {"activations": None, "logits": None}
+        return planned, {"activations": self.measured_step - self.measured_logits, "logits": self.measured_logits}
 
 
 def compare(p: PlanPoint) -> tuple[bool, str]:
@@ -53,7 +67,7 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     import torch
 
     from megamu.algo import ALGORITHM_PRESETS
-    from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, plan_memory
+    from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
     from megamu.model import ModelArch, build_model
     from megamu.runtime.device import Device
     from megamu.training import OptimizerConfig, build_optimizer
@@ -85,7 +99,31 @@ def plan_point(config, mbs: int, recompute: str | None, seq_len: int, prompt_len
     rows = {r.part: r.bytes for r in plan.rows() if r.phase == "training" and r.counted}
     planned_state = sum(b for part, b in rows.items() if part.startswith(("params", "fp32", "Adam")))
     planned_step = sum(b for part, b in rows.items() if part.startswith(("activations", "logits")))
-    return PlanPoint(mbs, recompute, planned_state, planned_step, state, step)
+    planned_logits = sum(b for part, b in rows.items() if part.startswith("logits"))
+    logits = logits_peak(plan.config.scored_tokens, padded_vocab(config.vocab_size, 1)) if cuda else None
+    return PlanPoint(mbs, recompute, planned_state, planned_step, state, step, planned_logits, logits,
+                     transformer_impl)
+
+
+def logits_peak(scored_tokens: int, vocab: int) -> int:
+    """The allocator's peak of megamu's log-probs and entropy over fp32 logits [scored_tokens, vocab] (the output
+    layer's, as Float16Module hands them on), the logits included: what the plan's logits term counts."""
+    import torch
+
+    from megamu.model.logprobs import token_logprobs
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logits = torch.randn(scored_tokens, vocab, device="cuda", dtype=torch.float32, requires_grad=True)
+    targets = torch.randint(0, vocab, (scored_tokens,), device="cuda")
+    logp, entropy = token_logprobs(logits, targets, with_entropy=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del logits, targets, logp, entropy
+    return peak
 
 
 def bucket_is_shareable(cuda: bool) -> tuple[bool, str]:
@@ -166,3 +204,50 @@ def ep_agreement(cuda: bool) -> tuple[bool | None, str]:
         if proc.returncode != 0:
             return False, f"EP 2 world failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
         return ep_agree_verdict(json.loads(out.read_text()))
+
+
+def path_rows(args, cuda: bool, only: set[str], measured: list, config, samples) -> list[Row]:
+    """The colocated path's checks (tools/gpu_check_path.py): plan vs measured peaks, push buckets, EP agreement.
+    ``measured``: the plan rows' measured activation and logits terms are appended (MeasuredTerm); ``config``
+    and ``samples``: the model and data the plan rows train."""
+    rows = []
+    if "plan" in only:
+        for mbs in (args.micro_batch_size // 2 or 1, args.micro_batch_size):
+            for recompute in (None, "full"):
+                p = plan_point(config, mbs, recompute, args.seq_len, args.seq_len // 4, cuda, samples)
+                rows.append(plan_row(f"plan mb{mbs}{'-rc' if recompute else ''}", p, measured))
+        rows.append(te_plan_row(args, cuda, config, samples, measured))
+    if "buckets" in only:
+        rows.append(Row("buckets", *bucket_is_shareable(cuda)))
+    if "ep-agree" in only:
+        ok, verdict = ep_agreement(cuda)
+        rows.append(Row("ep-agree", bool(ok), verdict, skipped=ok is None))
+    return rows
+
+
+def plan_row(check: str, p: PlanPoint, measured: list) -> Row:
+    """The state and step against the plan (gpu_check_path.compare), and each measured term (activations, logits)
+    against its planned term (gpu_check_compare.compare_peaks); the measured terms go to ``measured``."""
+    from megamu.memory.measured_peaks import MeasuredTerm
+
+    ok, verdict = compare(p)
+    detail = f"state + step: planned {size(p.planned_state)} + {size(p.planned_step)}"
+    if p.measured_state is not None:
+        detail += f", measured {size(p.measured_state)} + {size(p.measured_step)}"
+    planned, got = p.terms()
+    if got["logits"] is not None:
+        terms_ok, said = compare_peaks(planned, got)
+        ok, detail = ok and terms_ok, f"{detail}; {said}"
+        measured += [MeasuredTerm(p.transformer_impl, t, planned[t], max(got[t], 1)) for t in planned if planned[t]]
+    return Row(check, ok, verdict, detail)
+
+
+def te_plan_row(args, cuda: bool, config, samples, measured: list) -> Row:
+    """The plan against the allocator on Transformer Engine's spec (the spec GPU runs use), where TE imports."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return Row("plan te", False, "transformer_engine is not installed", skipped=True)
+    if not cuda:
+        return Row("plan te", False, "Transformer Engine runs on CUDA only", skipped=True)
+    p = plan_point(config, args.micro_batch_size, None, args.seq_len, args.seq_len // 4, cuda, samples,
+                        transformer_impl="transformer_engine")
+    return plan_row("plan te", p, measured)

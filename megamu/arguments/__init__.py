@@ -43,7 +43,7 @@ from megamu.config.plan import AsyncPlan, Plan, StagedPlan, plan_type, stage_cou
 from megamu.config.run_config import DEFAULT_ALGORITHM, RunConfig, hf_model_config
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.errors import ConfigError
-from megamu.memory.memory_fixes import fixes
+from megamu.memory.memory_fixes import fix_sets
 from megamu.mode import DEFAULT_MODE, MODE_NAMES
 from megamu.model.moe_settings import MoeSettings
 from megamu.rollout import RolloutConfig
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fields(g, AsyncConfig, ["queue_groups", "rollout_devices"])
 
     g = p.add_argument_group("run control")
-    add_fields(g, RunConfig, ["gpu_memory_gib", "host_memory_gib"])
+    add_fields(g, RunConfig, ["gpu_memory_gib", "host_memory_gib", "measured_peaks"])
     add_fields(g, RunConfig, ["dry_run"])
     add_evaluation_arguments(p)
     add_megatron_arguments(p)
@@ -184,6 +184,22 @@ def check_paths(args: argparse.Namespace) -> None:
         if not args.dry_run:
             _error(flag, message)
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
+    if args.dry_run:
+        check_first_rows(args)
+
+
+def check_first_rows(args: argparse.Namespace, rows: int = 8) -> None:
+    """A dry run reads the first rows of each data file that is here (a run reads them all before its first
+    rollout): bad JSON or a row without the problem or answer keys is an error naming the file and the row."""
+    from megamu.data.prompts import first_rows_errors
+
+    files = {"--prompt-data": [] if args.prompt_data == BUILTIN_DATA else args.prompt_data.split(","),
+             "--eval-prompt-data": list(args.eval_prompt_data[1::2])}
+    for flag, paths in files.items():
+        errors = first_rows_errors([f for f in paths if os.path.exists(f)], args.prompt_key, answer_key(args), rows)
+        if errors:
+            _error(flag, f"the first {rows} rows of each file: " + "; ".join(errors[:5]) + (
+                f"; ... and {len(errors) - 5} more" if len(errors) > 5 else ""))
 
 
 def start_point_errors(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -242,16 +258,27 @@ def check_inputs(args: argparse.Namespace, device: Device) -> None:
     check_device(args, device)
 
 
-def check_memory(plan) -> None:
-    """A MemoryPlan that overflows the device is an error naming the line that overflows and each flag whose change
-    alone makes it fit (megamu.memory.memory_fixes), else the device size."""
+# slime's spellings of the plan's fields: a fix is named in the flag the launch wrote
+SLIME_MEMORY_FLAGS = {"max_tokens_per_micro_batch": "--max-tokens-per-gpu"}
+
+
+def check_memory(plan, argv: list[str] | tuple[str, ...] = ()) -> None:
+    """A MemoryPlan that overflows the device is an error naming the line that overflows and each change that makes
+    it fit (megamu.memory.memory_fixes.fix_sets: a flag alone, or a layout with the budget that fits at it), in the
+    flags of ``argv`` where it wrote slime's (``SLIME_MEMORY_FLAGS``); else the device size."""
     try:
         plan.check()
     except ConfigError as e:
         if e.field != "gpu_memory_gib":
             _config(plan.check, at="memory")
-        remedies = [f"{flag_or_path('memory.' + field)}{'' if value is True else f' {value}'}"
-                    for field, value in fixes(plan.config)]
+        written = {field: slime for field, slime in SLIME_MEMORY_FLAGS.items()
+                   if any(a == slime or a.startswith(slime + "=") for a in argv)}
+
+        def flag(field: str, value) -> str:
+            name = written.get(field) or flag_or_path("memory." + field)
+            return name if value is True else f"{name} {value}"
+
+        remedies = [" ".join(flag(field, value) for field, value in changes) for changes in fix_sets(plan.config)]
         tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
         _error(flag_or_path("memory." + e.field), e.message + "." + tail)
 

@@ -59,7 +59,7 @@ MEMORY_FLAGS = {
     "rollout_mode": "--rollout-mode", "offload_train": "--offload-train", "server_tp": "--sglang-tp-size",
     "mem_fraction_static": "--sglang-server-args (--mem-fraction-static)",
     "release_during_training": "--sglang-memory-saver", "weight_push": "--weight-sync",
-    "gpu_memory_gib": "--gpu-memory-gib", "host_memory_gib": "--host-memory-gib",
+    "gpu_memory_gib": "--gpu-memory-gib", "host_memory_gib": "--host-memory-gib", "measured_peaks": "--measured-peaks",
 }
 
 

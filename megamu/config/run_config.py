@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 
-import psutil
-
 from megamu.algo import AlgoConfig
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import (  # noqa: F401  (the names run_config had)
@@ -23,12 +21,15 @@ from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
+from megamu.memory import measured_peaks as peaks_file
+from megamu.memory.device_memory import parse_gpu_memory
 from megamu.memory.memory_plan import H200_GIB, MemoryPlanConfig, ModelShape
 from megamu.observability.tracking import TrackerConfig
 from megamu.reward.pool import default_num_workers
 from megamu.rollout import RolloutConfig
 from megamu.run.run_dir import RunDir
 from megamu.runtime.device import Device
+from megamu.runtime.host_memory import host_memory_bytes
 from megamu.training.policy import PolicyConfig
 
 DEFAULT_ALGORITHM = "mu-grpo"  # --algorithm's default and a RunConfig's
@@ -75,11 +76,15 @@ class RunConfig:
     dry_run: bool = flag("--dry-run", default=False, action="store_true",
                          help="validate and print the plan; start nothing")
     # The memory plan's own inputs; the plan is computed from the run where it is read (``memory``), not stored.
-    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=float, help=(
-        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks (default: an H200's)"))
+    gpu_memory_gib: float = flag("--gpu-memory-gib", default=H200_GIB, type=parse_gpu_memory, help=(
+        "memory of one GPU for the memory plan that --dry-run prints and every GPU run checks, in GiB as nvidia-smi "
+        "shows it, or h200 (143771 MiB, the default) or h100 (81559 MiB)"))
+    measured_peaks: str | None = flag("--measured-peaks", default=None, help=(
+        "the activation and logits peaks tools/gpu_check.py measured (its --measured-peaks file): the memory plan's "
+        "margin for them shrinks from 15 %% to what the measurement says"))
     host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
-        "RAM of one node for the host-memory plan (default: read from the machine on GPU runs; a dry run without "
-        "GPUs plans the host only when given)"))
+        "RAM of one node for the host-memory plan (default on GPU runs: the job's cgroup memory limit when one is set, "
+        "else the machine's RAM; a dry run without GPUs plans the host only when given)"))
     world_size: int | None = None  # derived: the launch's trainer ranks (torchrun's WORLD_SIZE, else 1)
     ranks_per_node: int | None = None  # derived: trainer ranks per node (torchrun's LOCAL_WORLD_SIZE, else the world)
     evaluation: EvalConfig = EvalConfig()
@@ -89,6 +94,8 @@ class RunConfig:
         if (self.async_ is not None) != self.plan.mode.streams:
             raise ConfigError("async_", "the engine process's settings go with --rollout-mode async, and only there")
         self.derive()
+        if self.measured_peaks is not None:
+            peaks_file.load(self.measured_peaks)  # a bad file is refused at once, naming the entry
         check_positive(self, "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
                        "log_interval", "cpu_threads", "world_size", "ranks_per_node")
         if self.expert_model_parallel_size > 1 and not self.device.is_cuda and not self.dry_run:
@@ -290,11 +297,20 @@ def model_context_length(hf_checkpoint: str | None) -> int | None:
     return (hf_model_config(hf_checkpoint) or {}).get("max_position_embeddings")
 
 
+def world_source(world: int) -> str:
+    """Where a launch's world size came from, as megamu.arguments.defaults.world_size reads it."""
+    if "WORLD_SIZE" in os.environ:
+        return "from torchrun's WORLD_SIZE"
+    if world > 1:
+        return "from slime's --actor-num-nodes x --actor-num-gpus-per-node"
+    return "no torchrun WORLD_SIZE and no --actor-num-nodes/--actor-num-gpus-per-node: give them to plan a cluster"
+
+
 def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
     """The memory plan's inputs for a run meant for GPUs whose model config is readable here; None otherwise (and
     for models the plan does not model, e.g. DeepSeek-style shared experts, with a note). The host plan: the node's
-    --host-memory-gib, else this machine's RAM (psutil) on GPUs (a node checking itself), else none (a dry run on a
-    machine without GPUs is not the node: its RAM says nothing)."""
+    --host-memory-gib, else the job's cgroup memory limit or this machine's RAM on GPUs (a node checking itself), else
+    none (a dry run on a machine without GPUs is not the node: its RAM says nothing)."""
     model_config = hf_model_config(run.policy.hf_checkpoint)
     if model_config is None or not run.for_gpu:
         return None
@@ -326,6 +342,8 @@ def memory_plan_of(run: RunConfig) -> MemoryPlanConfig | None:
         push_bucket_mb=sg.weight_bucket_mb,
         push_bucket_copies=1 if world > 1 and not sg.urls else servers,  # rank_push.py
         host_memory_gib=run.host_memory_gib if run.host_memory_gib is not None
-        else psutil.virtual_memory().total / 2**30 if run.device.is_cuda else None,
+        else host_memory_bytes() / 2**30 if run.device.is_cuda else None,
         ranks_per_node=max(1, min(run.ranks_per_node, world)), save_optimizer=policy.checkpoint.save_optim,
+        measured_peaks=None if run.measured_peaks is None else peaks_file.load(run.measured_peaks),
+        world_source=world_source(world),
         reward_workers=run.rollout.reward.num_workers or default_num_workers())

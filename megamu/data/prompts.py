@@ -49,21 +49,67 @@ def _read_rows(path: Path) -> list[dict]:
         raise PromptDataError(f"{path}: unsupported prompt file type {path.suffix!r} (use .jsonl or .parquet)")
     if path.suffix == ".json" and _starts_with_bracket(path):
         return _json_array_rows(path)
-    rows: list[dict] = []
+    with path.open(encoding="utf-8") as f:
+        return [_parse_line(line) for line in f]
+
+
+def _parse_line(line: str) -> dict:
+    """One JSONL line as a row; what is not a JSON object becomes an error row."""
+    if not line.strip():
+        return {"__error__": "empty line"}
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        return {"__error__": f"invalid JSON ({e.msg} at column {e.colno})"}
+    return row if isinstance(row, dict) else {"__error__": f"expected a JSON object, got {type(row).__name__}"}
+
+
+def _first_rows(path: Path, n: int) -> list[dict]:
+    """The first ``n`` rows of a prompt file as ``_read_rows`` gives them, reading no more of a JSONL or Parquet
+    file than those rows (a JSON array is parsed whole: JSON has no partial parse)."""
+    if not path.exists():
+        raise PromptDataError(f"{path}: no such prompt file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        except Exception as e:  # pyarrow's errors for a file that is not Parquet (ArrowInvalid, OSError)
+            raise PromptDataError(f"{path}: not a readable Parquet file ({e})") from None
+        return [] if batch is None else batch.to_pylist()
+    if path.suffix == ".json" and _starts_with_bracket(path):
+        return _json_array_rows(path)[:n]
+    if path.suffix not in (".jsonl", ".json"):
+        return _read_rows(path)  # the unsupported-type error
+    rows = []
     with path.open(encoding="utf-8") as f:
         for line in f:
-            if not line.strip():
-                rows.append({"__error__": "empty line"})
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                rows.append({"__error__": f"invalid JSON ({e.msg} at column {e.colno})"})
-                continue
-            if not isinstance(row, dict):
-                row = {"__error__": f"expected a JSON object, got {type(row).__name__}"}
-            rows.append(row)
+            rows.append(_parse_line(line))
+            if len(rows) == n:
+                break
     return rows
+
+
+def first_rows_errors(files: list[str], prompt_key: str, answer_key: str, n: int = 8) -> list[str]:
+    """'file: row k: reason' for each of the first ``n`` rows of each file that cannot be a prompt (bad JSON, not an
+    object, no problem or answer under the keys); a file that cannot be read at all is one line. What a dry run
+    checks: the training run reads and tokenizes every row before its first rollout (``load_prompts``)."""
+    errors = []
+    for file in files:
+        path = Path(file)
+        try:
+            rows = _first_rows(path, n)
+        except (PromptDataError, UnicodeDecodeError) as e:
+            errors.append(str(e) if isinstance(e, PromptDataError) else f"{path}: not UTF-8 text ({e.reason})")
+            continue
+        if not rows:
+            errors.append(f"{path}: no rows")
+        for row_no, row in enumerate(rows, start=1):
+            try:
+                _row_to_messages(row, prompt_key, answer_key, DEFAULT_INSTRUCTION)
+            except (ValueError, KeyError, TypeError) as e:
+                errors.append(f"{path}: row {row_no}: {e}")
+    return errors
 
 
 def _starts_with_bracket(path: Path) -> bool:

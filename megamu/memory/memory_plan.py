@@ -24,6 +24,9 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
   ``torch.cuda.max_memory_allocated`` (tests/memory_plan/test_gpu_peak.py, not yet run on a GPU).
 - Logits: what ``megamu.model.logprobs.token_logprobs`` materialises over the vocab-parallel logits of the scored
   positions (train_step asks for the entropy too), see ``_logits_bytes``.
+- Margin: the activation and logits counts have not been measured on TE's spec; the training phase adds a stated
+  fraction of both (``megamu.memory.measured_peaks``: 15 %, or the measured excess + 5 % from ``--measured-peaks``).
+  The device (``megamu.memory.device_memory``) is the card as nvidia-smi shows it; contexts are rows of their own.
 - SGLang servers (0.5.23, ``profile_max_num_token``): a server started with ``--mem-fraction-static f`` ends up
   holding f x (memory free when it started): its weights plus a KV cache of (free after weights) - free x (1 - f).
   What other processes hold at launch is excluded from that base. The rest, (1 - f), is its activations and graphs.
@@ -34,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamu.errors import ConfigError
+from megamu.memory.device_memory import CUDA_CONTEXT_GIB, H100_GIB, H200_GIB, device_label
+from megamu.memory.measured_peaks import MeasuredPeaks, margin
 from megamu.memory.memory_plan_phases import (
     DTYPE_BYTES,
     GIB,
@@ -46,13 +51,8 @@ from megamu.memory.memory_plan_phases import (
 from megamu.memory.model_shape import ModelShape, padded_vocab, require_positive
 from megamu.mode import mode_of
 
-__all__ = ["GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row", "padded_vocab", "plan_memory"]
-
-# CUDA context + NCCL communicators of one process on one GPU. the project's GPU-path notes ("Memory of the paper's
-# 7B run") puts it at ~2 GiB per trainer rank; SGLang processes are given the same (their NCCL groups, cuBLAS
-# workspaces). Not measured here: the GPU twin is where to refine it.
-CUDA_CONTEXT_GIB = 2.0
-H200_GIB = 141.0  # the issue's default for --gpu-memory-gib (nvidia-smi reports 143771 MiB = 140.4 GiB)
+__all__ = ["CUDA_CONTEXT_GIB", "GIB", "H100_GIB", "H200_GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row",
+           "padded_vocab", "plan_memory"]
 
 RECOMPUTE = (None, "selective", "full")
 _RECOMPUTE_LABEL = {None: "no recompute", "selective": "selective recompute", "full": "full recompute"}
@@ -107,6 +107,10 @@ class MemoryPlanConfig:
     ranks_per_node: int = 8  # trainer ranks (GPUs) on one node
     reward_workers: int = 0
     save_optimizer: bool = True  # checkpoints carry the optimiser state (--no-save-optim: they do not)
+    # what tools/gpu_check.py measured of the activation and logits terms (--measured-peaks): None, the plan adds
+    # measured_peaks.UNMEASURED_MARGIN of both
+    measured_peaks: MeasuredPeaks | None = None
+    world_source: str = ""  # where the launch's world size came from, for the table's second line
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelShape):
@@ -311,7 +315,10 @@ class MemoryPlan:
         batch = (f"micro-batch <= {c.micro_batch_tokens} tokens (" + (
             f"--max-tokens-per-micro-batch {c.max_tokens_per_micro_batch}, " if c.max_tokens_per_micro_batch else "")
             + f"{c.micro_batch_size} rows x {c.max_seq_len})")
-        lines = [f"memory plan per GPU (GiB; device {device:.1f} GiB; trainer {layout}; {batch})"]
+        world, node = c.tp * c.dp, min(c.ranks_per_node, c.tp * c.dp)
+        lines = [f"memory plan per GPU (GiB; device {device_label(device)}; trainer {layout}; {batch})",
+                 f"world: {world} GPU{'s' if world > 1 else ''}, {-(-world // node)} node(s) x {node}"
+                 + (f" ({c.world_source})" if c.world_source else "")]
         for phase in self.phases():
             lines.append(phase)
             for r in self._rows:
@@ -423,9 +430,11 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
     rows += [Row("training", f"activations, {_RECOMPUTE_LABEL[g]}", _activation_bytes(c, g), False)
              for g in RECOMPUTE if g != c.recompute_granularity]
     rows.append(Row("training", "logits and log-softmax temporaries (fp32)", _logits_bytes(c)))
+    rows.append(Row("training", *margin(c.measured_peaks, c.transformer_impl, _activation_bytes(
+        c, c.recompute_granularity), _logits_bytes(c))))
     # a save follows an update: the training phase's rows but its activations and logits
     rows += checkpoint_rows("checkpoint", [r for r in rows if r.phase == "training" and r.counted
-                                           and not r.part.startswith(("activations", "logits"))])
+                                           and not r.part.startswith(("activations", "logits", "margin"))])
 
     if not mode.streams:
         rows.append(Row(phase, "CUDA context + NCCL (trainer)", ctx))

@@ -18,7 +18,8 @@ Host (per node, bytes; r = trainer ranks on the node, s = server processes on th
 - megatron's param buffer copy (``_ParamAndGradBuffer.offload_to_cpu``: ``param_data.cpu().pin_memory()``, kept in
   ``param_data_cpu``): one pinned flat buffer per buffer (dense, experts), each rounded.
 - Checkpoint save: the optimiser state assembled on the host (pageable, freed after the write) and megatron's
-  staging of the model's tensors (pinned; emptied from torch's cache after the save, ``Device.release_host_cache``).
+  staging of the model's tensors (pinned; emptied from torch's cache after the save, ``Device.release_host_cache``),
+  both on the replica that writes each shard only (``plan_host``).
 - Servers (SGLang), reward workers and the trainer processes themselves: estimates per process (below), not
   measured here.
 Phases that never overlap share the memory: a staged run's servers exit before the trainer updates (and saves), so
@@ -198,13 +199,18 @@ def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
         rows.append(HostRow("rollout (servers up)" if mode.restarts_engine else A,
                             f"SGLang servers ({servers} x {SERVER_PROCESS_HOST_GIB:g} GiB, estimate)",
                             int(servers * SERVER_PROCESS_HOST_GIB * GIB)))
+    # A save stages a shard on its main replica alone (torch_dist keeps only main replicas; megamu.training.
+    # optimizer_shards stages the optimiser state likewise): data-parallel rank 0 of each DP group for the dense
+    # parameters, expert-DP rank 0 of each expert-DP group for the experts. megatron orders ranks TP first, then
+    # EP, then DP: those writers are the world's first TP (dense) and TP x EP (experts) ranks, the first node's.
+    wd, we = min(c.tp, r), min(c.tp * c.ep, r)
+    writers = f"writers: {wd} dense" + (f", {we} expert" if n_expert else "")
     if c.save_optimizer:
         keys = 3 if c.params_dtype != "fp32" else 2  # main params (bf16 only) and the two moments
-        rows.append(HostRow("checkpoint save", f"optimiser state on the host (fp32 x {keys}, pageable; {r} ranks)",
-                            r * (n_dense + n_expert) * 4 * keys))
-    staged = sum(pow2_ceil(n * e) for n in dense + experts)
-    rows.append(HostRow("checkpoint save", f"megatron's pinned staging of the model, 2^k rounded ({r} ranks)",
-                        r * staged))
+        rows.append(HostRow("checkpoint save", f"optimiser state on the host (fp32 x {keys}, pageable; {writers})",
+                            (wd * n_dense + we * n_expert) * 4 * keys))
+    staged = wd * sum(pow2_ceil(n * e) for n in dense) + we * sum(pow2_ceil(n * e) for n in experts)
+    rows.append(HostRow("checkpoint save", f"megatron's pinned staging of the model, 2^k rounded ({writers})", staged))
     return HostPlan(rows, c.host_memory_gib, r)
 
 

@@ -118,6 +118,7 @@ def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> 
     GPU's ``param_state`` streams each state to the host through one bounded buffer, and a load moves only each
     rank's range to the device (``megamu.training.optimizer_shards``), so neither materialises the optimiser state
     on the GPU a second time (the memory plan's ``checkpoint`` phase)."""
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     by_id = _param_tensors(model_sd)
@@ -129,7 +130,9 @@ def _optimizer_sharded(model, model_sd: dict, optimizer, *, templates: bool) -> 
             keys = MOMENTS if p.dtype != torch.float32 and parallel.device().is_cuda else MOMENTS[:2]
             state = {k: torch.empty(p.shape, dtype=dtype) for k in keys}  # host: see the docstring
         else:
-            state = optimizer.param_state(p)
+            # only the main replica of a shard is written (torch_dist's keep_only_main_replica): the others stage
+            # nothing and add no entry (megatron validates coverage by the main replicas alone, validation.py:411)
+            state = optimizer.param_state(p, writes=is_main_replica(sh.replica_id))
             if state is None:  # before the first update: no moments anywhere (all parameters step together)
                 continue
             steps[name] = float(state["step"])
@@ -185,7 +188,7 @@ def save_checkpoint(
         _write_sharded(sharded, tmp, group)
     except (Exception, CheckpointException) as e:  # disk full on one rank: every rank still reaches the gather
         error = f"{type(e).__name__}: {e}"
-    has_optimizer_state = bool(opt_sd)
+    has_optimizer_state = bool(steps)  # every rank has the steps; the moments only where it writes them
     del sharded, opt_sd  # the host copy of the optimiser state goes before the rank moves on
     parallel.device().release_host_cache()  # megatron's pinned staging: back to the OS, not kept for the run
     errors = parallel.all_gather_object(error, group)  # a rank that wrote less waits here for the slowest

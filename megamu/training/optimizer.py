@@ -247,8 +247,9 @@ class TorchAdamW(SkipCounter):
             moments=storage_bytes(self._moments(), device, seen),
         )
 
-    def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """{"step", "exp_avg", "exp_avg_sq"} of parameter ``p`` (this rank's TP shard), None before its first step."""
+    def param_state(self, p: torch.Tensor, writes: bool = True) -> dict[str, torch.Tensor] | None:
+        """{"step", "exp_avg", "exp_avg_sq"} of parameter ``p`` (this rank's TP shard), None before its first step.
+        ``writes``: unused, the states are host tensors already (no copy is made)."""
         st = self.opt.state.get(p)
         return {"step": st["step"], **{k: st[k] for k in ADAM_STATES}} if st else None
 
@@ -343,10 +344,11 @@ class MegatronDistributedAdam(SkipCounter):
                 return opt
         return None
 
-    def param_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def param_state(self, p: torch.Tensor, writes: bool = True) -> dict[str, torch.Tensor]:
         """Adam moments, plus the fp32 "main_param" where it differs from the model's (bf16) weight: fp32 HOST tensors
         of ``p``'s shape, assembled chunk by chunk (``optimizer_shards``: one bounded device buffer, not a full copy
-        of the optimiser state on the GPU)."""
+        of the optimiser state on the GPU), on the rank that ``writes`` ``p``'s shard; the others get the "step"
+        alone and stage nothing."""
         # Each DP rank owns a contiguous range of every flattened parameter; summing the zero-filled pieces over the
         # DP group rebuilds the full (TP-local) tensor: a collective, so every rank calls it for every parameter.
         from megamu.training.optimizer_shards import assemble_dp_sharded
@@ -364,7 +366,7 @@ class MegatronDistributedAdam(SkipCounter):
         # expert parameters (megatron marks them allreduce=False at EP > 1) are sharded over the expert-data-parallel
         # group, whose ranks hold the same experts, not over the data-parallel group
         group = parallel.dp_group() if getattr(p, "allreduce", True) else parallel.expert_dp_group()
-        full = assemble_dp_sharded(p.numel(), start, end, local, keys, group, p.device)
+        full = assemble_dp_sharded(p.numel(), start, end, local, keys, group, p.device, writes=writes) or {}
         return {"step": torch.tensor(float(self.iteration)), **{k: v.view(p.shape) for k, v in full.items()}}
 
     def load_param_state(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,14 @@ import pytest
 
 from megamu.errors import ConfigError
 from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
-from megamu.memory.memory_plan_phases import SAVE_CHUNK_ELEMENTS, SLAB_BYTES, mirror_slab_bytes, pack_slabs, pow2_ceil
+from megamu.memory.memory_plan_phases import (
+    SAVE_CHUNK_ELEMENTS,
+    SLAB_BYTES,
+    mirror_slab_bytes,
+    pack_slabs,
+    param_tensor_numels,
+    pow2_ceil,
+)
 from tests.memory_plan.test_moe_plan import QWEN3_30B_A3B
 from tests.memory_plan.test_plan import QWEN25_MATH_7B, tiny_qwen2
 
@@ -84,14 +91,36 @@ def test_host_plan_by_hand():
     assert host["megatron's pinned param buffers, 2^k rounded (2 ranks)"] == ("every phase", 2 * pow2_ceil(2 * n))
     assert host["reward workers (4 x 0.5 GiB, estimate)"] == ("every phase", 2 * GIB)
     assert host["SGLang servers (2 x 8 GiB, estimate)"] == ("rollout (servers up)", 16 * GIB)
-    assert host["optimiser state on the host (fp32 x 3, pageable; 2 ranks)"] == ("checkpoint save", 2 * 12 * n)
+    # a save stages each shard on its main replica (DP rank 0): ranks 0 and 1 of the world, TP 0 and 1 at DP 0, both
+    # on the first node
+    assert host["optimiser state on the host (fp32 x 3, pageable; writers: 2 dense)"] == (
+        "checkpoint save", 2 * 12 * n)
     staged = sum(pow2_ceil(2 * t) for t in tensors)
-    assert host["megatron's pinned staging of the model, 2^k rounded (2 ranks)"] == ("checkpoint save", 2 * staged)
+    assert host["megatron's pinned staging of the model, 2^k rounded (writers: 2 dense)"] == (
+        "checkpoint save", 2 * staged)
     # staged: servers and the save never overlap, the node needs the larger; colocated servers add to the save
     always = 12 * GIB + 2 * 2 * SLAB_BYTES + 2 * pow2_ceil(2 * n) + 2 * GIB
     assert plan_memory(c).host.total() == always + max(16 * GIB, 2 * 12 * n + 2 * staged)
     colocated = plan_memory(MemoryPlanConfig(**{**c.__dict__, "rollout_mode": "colocated"})).host
     assert colocated.total() == always + 16 * GIB + 2 * 12 * n + 2 * staged
+
+
+def test_only_the_writing_replicas_stage_a_save_on_the_host():
+    """TP 1 x DP 4 on one node of 4: one dense writer (DP rank 0), not four; MoE at EP 2: the experts' writers are
+    the first TP x EP = 2 ranks (expert-DP rank 0 of each expert-DP group), each with its half of the experts."""
+    m = tiny_qwen2()
+    c = MemoryPlanConfig(model=m, micro_batch_size=1, max_seq_len=8, tp=1, dp=4, host_memory_gib=64, ranks_per_node=4)
+    host = {r.part: r.bytes for r in plan_memory(c).host.rows()}
+    n = sum(sum(t) for t in param_tensor_numels(m, 1, 1))
+    assert host["optimiser state on the host (fp32 x 3, pageable; writers: 1 dense)"] == 12 * n
+    moe = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, ffn_hidden_size=96,
+                     vocab_size=128, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)
+    c = MemoryPlanConfig(model=moe, micro_batch_size=1, max_seq_len=8, tp=1, ep=2, dp=4, host_memory_gib=64,
+                         ranks_per_node=4)
+    dense, experts = param_tensor_numels(moe, 1, 2)
+    host = {r.part: r.bytes for r in plan_memory(c).host.rows()}
+    assert host["optimiser state on the host (fp32 x 3, pageable; writers: 1 dense, 2 expert)"] == (
+        12 * sum(dense) + 2 * 12 * sum(experts))
 
 
 def test_the_slab_estimate_bounds_first_fit_on_the_7b_models_tensors():
@@ -126,15 +155,22 @@ def _host_total(out: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_30b_a3b_dry_run_fits_2tb_and_a_1tb_node_is_refused_with_the_fix(tmp_path):
+def test_the_30b_a3b_dry_run_fits_a_1tb_node_and_a_768_gib_node_is_refused_with_the_fix(tmp_path):
     ok = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 2048, "--dry-run")
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "\ncheckpoint\n" in ok.stdout and "host (GiB per node of 8 trainer ranks; RAM 2048 GiB)" in ok.stdout
     assert _host_total(ok.stdout).endswith("fits")
-    refused = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 1024, "--dry-run")
+    # issue 50's done-when: a 1 TiB node holds it, now that one replica of each shard stages a save (1 dense writer,
+    # 8 expert writers, where every rank staged everything: 1081 GiB)
+    one_tib = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 1024, "--dry-run")
+    assert one_tib.returncode == 0, one_tib.stdout[-3000:] + one_tib.stderr[-3000:]
+    total = _host_total(one_tib.stdout)
+    assert total.endswith("fits") and float(total.split()[-4]) <= 1024, total
+    assert "writers: 1 dense, 8 expert)" in one_tib.stdout
+    refused = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 768, "--dry-run")
     assert refused.returncode != 0
     assert "--host-memory-gib" in refused.stderr and "--no-save-optim" in refused.stderr, refused.stderr[-2000:]
-    fixed = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 1024, "--dry-run", "--no-save-optim")
+    fixed = _dry_run("qwen3-30b-a3b-8xh200.sh", QWEN3_30B_A3B, tmp_path, 768, "--dry-run", "--no-save-optim")
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert _host_total(fixed.stdout).endswith("fits") and "optimiser state on the host" not in fixed.stdout
 
@@ -151,18 +187,17 @@ def test_the_7b_baseline_dry_run_prints_checkpoint_and_host_and_fits(tmp_path):
 
 
 def test_the_node_ram_is_read_on_a_gpu_machine_and_given_for_a_dry_run_elsewhere(tmp_path):
-    """A GPU run plans the host against its own machine's RAM (psutil); a run parsed without GPUs (a dry run on a
+    """A GPU run plans the host against its own cgroup limit or RAM; a run parsed without GPUs (a dry run on a
     login machine) plans the host only with --host-memory-gib: this machine's RAM is not the node's."""
-    import psutil
-
     from megamu.arguments import parse_args
     from megamu.runtime.device import Device
+    from megamu.runtime.host_memory import host_memory_bytes
     from tests.tiny import save_tiny_model
     from tools import gpu_check
 
     hf = save_tiny_model(tmp_path / "hf", "qwen2", seed=3)
     gpu = parse_args(gpu_check.stage_flags(hf, tmp_path / "run", True), device=Device("cuda"))
-    assert gpu.memory.host_memory_gib == pytest.approx(psutil.virtual_memory().total / GIB)
+    assert gpu.memory.host_memory_gib == pytest.approx(host_memory_bytes() / GIB)  # the cgroup's limit, or the RAM
     flags = gpu_check.stage_flags(hf, tmp_path / "run", True) + ["--dry-run"]  # the GPU run's flags, checked here
     assert parse_args(flags, device=Device("cpu")).memory.host_memory_gib is None
     assert plan_memory(parse_args(flags, device=Device("cpu")).memory).host is None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamu.arguments import check_memory, parse_args
-from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
+from megamu.memory.memory_plan import GIB, H200_GIB, MemoryPlanConfig, ModelShape, padded_vocab, plan_memory
 
 HF = Path(__file__).parent.parent / "fixtures" / "hf"
 
@@ -77,7 +77,8 @@ def test_slimes_qwen3_4b_fits_eight_h200(tmp_path, monkeypatch):
     assert plan.total("training") / GIB < 45  # the trainer alone: the servers are released (below)
     # The report, from megamu before this plan: 8 rows x 9216 tokens (--micro-batch-size 8, the budget
     # ignored) needed 251.9 GiB in training
-    assert plan_memory(replace(c, max_tokens_per_micro_batch=None, micro_batch_size=8)).total("training") / GIB > 141
+    eight_rows = plan_memory(replace(c, max_tokens_per_micro_batch=None, micro_batch_size=8))
+    assert eight_rows.total("training") / GIB > H200_GIB
 
 
 def test_colocated_servers_hold_nothing_while_the_trainer_trains_with_the_memory_saver(tmp_path, monkeypatch):
@@ -89,7 +90,7 @@ def test_colocated_servers_hold_nothing_while_the_trainer_trains_with_the_memory
     assert held.total("training") - saver.total("training") == kv.bytes + row(saver, "training", "server: w").bytes
     # the KV cache it holds while generating: 0.7 x (free at its start) - its weights
     ctx = 2 * GIB
-    free = 141 * GIB - ctx - ctx  # the trainer's context (its state offloaded) and the server's own
+    free = H200_GIB * GIB - ctx - ctx  # the trainer's context (its state offloaded) and the server's own
     assert row(saver, "rollout (colocated)", "server: KV cache").bytes == pytest.approx(0.7 * free - row(
         saver, "rollout (colocated)", "server: weights").bytes, abs=2)
 
@@ -117,10 +118,10 @@ def test_an_overflow_names_each_flag_that_alone_makes_it_fit(tmp_path, monkeypat
         check_memory(launch(tmp_path, monkeypatch, base, "Qwen2-7B-Instruct", flag, *value.split()))
     budget = int(fixes["--max-tokens-per-micro-batch"])
     more = launch(tmp_path, monkeypatch, base, "Qwen2-7B-Instruct", "--max-tokens-per-micro-batch", str(budget + 256))
-    assert more.total("training") > 141 * GIB
+    assert more.total("training") > H200_GIB * GIB
     rows = int(fixes["--micro-batch-size"])
     assert launch(tmp_path, monkeypatch, base.replace("--micro-batch-size 40", f"--micro-batch-size {rows + 1}"),
-                  "Qwen2-7B-Instruct").total("training") > 141 * GIB
+                  "Qwen2-7B-Instruct").total("training") > H200_GIB * GIB
 
 
 def test_verls_qwen2_7b_recipe_as_translated_fits_eight_h200(tmp_path, monkeypatch):

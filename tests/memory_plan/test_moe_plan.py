@@ -115,8 +115,8 @@ def test_example_dry_run_prints_the_plan_and_the_memory_plan(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert ("memory plan per GPU (GiB; device 141.0 GiB; trainer TP 1 x DP 8, EP 8 (16 of 128 experts per GPU); "
-            "micro-batch") in out
+    assert ("memory plan per GPU (GiB; device 140.4 GiB (H200: 143771 MiB in nvidia-smi); trainer TP 1 x DP 8, EP 8 "
+            "(16 of 128 experts per GPU); micro-batch") in out
     training = out.split("\ntraining\n", 1)[1].split("\nrollout (staged)\n")[0]
     assert "activations, full recompute" in training and training.rstrip().endswith("fits")
     rollout = out.split("\nrollout (staged)\n", 1)[1]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from megamu.errors import ConfigError
-from megamu.memory.memory_plan import GIB, MemoryPlanConfig, ModelShape, plan_memory
+from megamu.memory.memory_plan import GIB, H200_GIB, MemoryPlanConfig, ModelShape, plan_memory
 
 # Qwen2.5-Math-7B's config.json (public facts, huggingface.co/Qwen/Qwen2.5-Math-7B)
 QWEN25_MATH_7B = {
@@ -127,7 +127,7 @@ def test_paper_examples_fit_an_h200_in_every_phase():
         assert plan.phases() == phases
         plan.check()
         for phase in phases:
-            assert plan.total(phase) <= 141 * GIB
+            assert plan.total(phase) <= H200_GIB * GIB
 
 
 def test_paper_7b_trainer_state_matches_the_notes():

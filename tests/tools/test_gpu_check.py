@@ -73,8 +73,8 @@ def dry_run(tmp_path, *checks: str) -> tuple[subprocess.CompletedProcess, list[d
 
 def test_dry_run_checks_pass_on_cpu(tmp_path):
     proc, rows = dry_run(tmp_path, "train", "offload", "checkpoint")
-    assert [r["check"] for r in rows] == ["train", "offload", "checkpoint"]
-    assert all(r["ok"] for r in rows)
+    assert [r["check"] for r in rows] == ["train", "offload", "checkpoint", "context"]
+    assert all(r["ok"] for r in rows[:3]) and rows[3]["skipped"] and not rows[3]["ok"]  # the context: CUDA only
     assert re.search(r"^offload\s+PASS", proc.stdout, flags=re.M)
 
 
@@ -125,3 +125,23 @@ def test_ep_agree_skips_on_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     ok, reason = ep_agreement(cuda=True)
     assert ok is None and "needs 2 GPUs" in reason
+
+
+@pytest.mark.slow
+def test_reference_rows_run_on_cpu(tmp_path):
+    """The rows issue 50 added, on the CPU: the reshard (TP 1 save loaded at TP 2 in a gloo world) and megamu against
+    transformers pass; TE, the CUDA IPC test and the SGLang push skip with the reason, never pass; nothing measured,
+    so no measured-peaks file."""
+    peaks = tmp_path / "peaks.json"
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--dry-run", "--only", "reshard",
+                           "logprobs", "ipc", "server", "--out", str(out), "--measured-peaks", str(peaks)],
+                          capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    by = {r["check"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(by) == ["reshard", "logprobs", "te", "ipc", "server", "peaks"]
+    assert by["reshard"]["ok"] and "loaded at TP 2" in by["reshard"]["result"]
+    assert by["logprobs"]["ok"] and "of its bound" in by["logprobs"]["result"]
+    assert all(by[c]["skipped"] and not by[c]["ok"] for c in ("te", "ipc", "server", "peaks"))
+    assert not peaks.exists()

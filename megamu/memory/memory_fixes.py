@@ -80,14 +80,16 @@ MAX_SUGGESTIONS = 6
 def _layouts(c: MemoryPlanConfig) -> list[list[tuple[str, object]]]:
     """Larger model-parallel layouts on the same GPUs, smallest first: TP x 2^k within a node (with sequence
     parallelism: megatron splits the norms' activations over TP with it, and runs MoE at TP > 1 only with it), and for
-    a mixture of experts EP x 2^k (fewer experts per GPU, their state over fewer expert-DP ranks)."""
+    a mixture of experts EP x 2^k (fewer experts per GPU, their state over fewer expert-DP ranks) while ETP x EP fits
+    the world: the expert groups are formed over the whole world apart from TP (megatron-core's parallel folding), so
+    with experts at ETP 1 EP may exceed DP."""
     out = []
     tp = c.tp * 2
     while tp <= c.ranks_per_node and c.dp * c.tp % tp == 0:
         out.append([("tp", tp), ("sequence_parallel", True)])
         tp *= 2
     ep = c.ep * 2
-    while c.model.num_experts and ep <= c.dp and c.model.num_experts % ep == 0:
+    while c.model.num_experts and c.expert_tp * ep <= c.tp * c.dp and c.model.num_experts % ep == 0:
         out.append([("ep", ep)])
         ep *= 2
     return out

@@ -104,3 +104,17 @@ def test_the_plan_says_the_world_it_plans_for(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert world_source(16) == "from torchrun's WORLD_SIZE"
+
+
+def test_experts_at_their_own_tp_are_named_more_expert_parallelism_than_dp():
+    # slime's 30B-A3B layout on 8 GPUs, TP 4 + SP x DP 2, with experts at ETP 1 x EP 2 (expert-DP 4): megatron-core
+    # folds the expert groups over the whole world apart from TP, so EP 4 and EP 8 exist though DP is 2
+    c = moe_example(tp=4, sequence_parallel=True, dp=2, etp=1, ep=2)
+    state = plan_memory(c).total("training")
+    wider = plan_memory(replace(c, ep=4)).total("training")
+    assert wider < state
+    tight = replace(c, gpu_memory_gib=(state + wider) / 2 / 2**30)
+    assert not fits(tight) and [("ep", 4)] in fix_sets(tight) and fits(replace(tight, ep=4))
+    # at megatron's default ETP = TP 4 the expert groups are TP x EP x expert-DP: EP stops at DP 2
+    default = moe_example(tp=4, sequence_parallel=True, dp=2, ep=2)
+    assert not any(("ep", 4) in f for f in fix_sets(replace(default, gpu_memory_gib=1.0)))

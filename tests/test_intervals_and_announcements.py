@@ -67,7 +67,7 @@ def test_evaluation_replies_get_eval_max_response_len(monkeypatch, tmp_path):
     run-qwen3-4B.sh); without it they get the rollout's length."""
     from megamu.config.loop_config import EvalConfig
     from megamu.engines.types import SamplingParams
-    from megamu.loop import heldout
+    from megamu.evaluation import heldout
     from megamu.observability.metrics import MetricsLogger
 
     asked = []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,41 @@ def test_the_folder_scan_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     assert folder_of("megamu.training.policy") == folder_of("megamu.training") == "megamu.training"
     assert folder_of("megamu.mode") == "megamu.mode"
+
+
+def stated_floors() -> list[set[str]]:
+    """The floors megamu/__init__.py's docstring states, bottom to top: one line each, the rooms before the two or
+    more spaces that start the line's description."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    floors = []
+    for line in doc.split("Bottom to top:\n", 1)[1].splitlines():
+        if match := re.match(r"^    (\w+(?:, \w+)*)\s{2,}\S", line):
+            floors.append({f"megamu.{room}" for room in match.group(1).split(", ")})
+    return floors
+
+
+def arrows_not_down(graph: dict[str, set[str]], floors: list[set[str]]) -> list[str]:
+    """Arrows a -> b where b's floor is not below a's (an unstated room counts as on no floor: every arrow to or
+    from it is listed)."""
+    floor_of = {room: i for i, rooms in enumerate(floors) for room in rooms}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if floor_of.get(b, len(floors)) >= floor_of.get(a, -1))
+
+
+def test_every_import_goes_down_the_stated_floors():
+    """megamu/__init__.py states the floor order; every room is on exactly one floor and imports only rooms below
+    it (so the order stated is the real one: today's config imports training, engines, rollout, data and reward)."""
+    floors, graph = stated_floors(), folder_graph()
+    stated = [room for rooms in floors for room in rooms]
+    assert sorted(stated) == sorted(graph)  # each room once, none missing, none that is not a room
+    assert arrows_not_down(graph, floors) == []
+
+
+def test_the_floor_check_sees_an_arrow_up_or_sideways_and_an_unstated_room():
+    floors = [{"a"}, {"b", "c"}, {"d"}]
+    assert arrows_not_down({"d": {"a", "b"}, "b": {"a"}, "c": set(), "a": set()}, floors) == []
+    assert arrows_not_down({"a": {"b"}, "b": {"c"}, "d": {"e"}}, floors) == ["a -> b", "b -> c", "d -> e"]
+    assert len(stated_floors()) > 1 and {"megamu.errors", "megamu.config_fields"} == stated_floors()[0]
 
 
 LOOSE_MODULES_MAX = 3

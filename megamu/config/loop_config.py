@@ -1,6 +1,6 @@
 """Settings of the loop's parts, apart from the loop that runs them, so the run's config
 (megamu.config.run_config) needs nothing of megamu.loop: the async engine process (``AsyncConfig``,
-megamu.loop.async_) and evaluation during training (``EvalConfig``, megamu.loop.heldout)."""
+megamu.loop.async_) and evaluation during training (``EvalConfig``, megamu.evaluation.heldout)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class AsyncConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """When and how the policy is evaluated during a run (megamu.loop.heldout)."""
+    """When and how the policy is evaluated during a run (megamu.evaluation.heldout)."""
 
     eval_interval: int = flag("--eval-interval", default=0, type=int, help=(
         "updates between evaluations, a multiple of μ: they run on the engine at a stage's start, where it holds the "

@@ -11,12 +11,7 @@ from pathlib import Path
 
 from megamu.algo import AlgoConfig
 from megamu.config.loop_config import AsyncConfig, EvalConfig
-from megamu.config.plan import (  # noqa: F401  (the names run_config had)
-    AsyncPlan,
-    Plan,
-    StagedPlan,
-    stage_counts,
-)
+from megamu.config.plan import Plan, StagedPlan
 from megamu.config_fields import flag
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.engines import EngineConfig

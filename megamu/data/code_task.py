@@ -7,7 +7,6 @@ style). Expected values come from a reference implementation run here, so every 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,9 +78,3 @@ def reference_solution(row: dict) -> str:
     """A response a model could give: the row's reference solution in a ```python block."""
     return f"Here is my solution.\n```python\n{row['solution']}```\n"
 
-
-def write_code_task(path, n: int, seed: int) -> None:
-    """The task as JSONL (one row per line), as --prompt-data reads it."""
-    from megamu.runtime.atomic import atomic_write_text
-
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in code_problems(n, seed)))

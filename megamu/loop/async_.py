@@ -1,6 +1,6 @@
 """``--rollout-mode async`` (paper §5.1, Table 2): rollout and training at the same time.
 
-An engine process (megamu.loop.async_worker, driven through megamu.loop.engine_process) generates continuously into
+An engine process (megamu.rollout.async_worker, driven through megamu.loop.engine_process) generates continuously into
 a durable queue of Parquet shards; the trainer takes ``--prompts-per-update`` groups per update in queue order,
 dropping (and counting) every group whose policy lag, trainer version − the version that generated it, exceeds
 ``--max-policy-lag``; every ``--weight-sync-interval`` updates it exports θ as an HF folder and points the engine at

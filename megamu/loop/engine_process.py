@@ -2,9 +2,12 @@
 queue in order (groups past the policy lag K dropped and counted), point it at new weights, stop it, and give the final
 evaluation an engine on the final weights.
 
-It is the async mode's counterpart of the staged modes' lifecycles (megamu.engines.lifecycle), kept in megamu.loop
-because the queue it reads is the rollout's shard format (megamu.rollout.dataset), which engines never import
-(tests/test_structure.py). The process itself is megamu.loop.async_worker; the loop that drives it, megamu.loop.async_.
+It is the async mode's counterpart of the staged modes' lifecycles (megamu.engines.lifecycle). The process itself
+(what generates into the queue, and the queue's layout) is megamu.rollout.async_worker, beside the stage rollout it
+mirrors; the loop that drives it, megamu.loop.async_. This side stays in megamu.loop: it moves the run state's queue
+cursor (megamu.loop.state), reads the mode, the AsyncConfig (megamu.config) and the run directory, which all sit above
+engines and rollout, and it reads the rollout's shard format (megamu.rollout.dataset), which engines never import
+(an engines/ home would tie engines and rollout into a cycle: tests/test_structure.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from megamu.config.loop_config import AsyncConfig
 from megamu.data.prompts import PromptRecord, stop_token_ids
 from megamu.engines import Engine, EngineConfig, build_engine
 from megamu.engines.weights import Weights
-from megamu.loop.async_worker import (
+from megamu.loop.state import QueueCursor
+from megamu.mode import Mode
+from megamu.observability.metrics import MetricsLogger
+from megamu.rollout import RolloutConfig
+from megamu.rollout.async_worker import (
     CONFIG,
     CONSUMED,
     LOADED,
@@ -33,10 +40,6 @@ from megamu.loop.async_worker import (
     stored_shards,
     write_json,
 )
-from megamu.loop.state import QueueCursor
-from megamu.mode import Mode
-from megamu.observability.metrics import MetricsLogger
-from megamu.rollout import RolloutConfig
 from megamu.rollout.dataset import shard_name, table_to_samples
 from megamu.rollout.records import RolloutSample
 from megamu.run.run_dir import RunDir
@@ -83,7 +86,7 @@ class EngineProcess:
         if c.rollout_devices:  # GPU: the engine's servers see only the rollout GPUs
             env["CUDA_VISIBLE_DEVICES"] = c.rollout_devices
         with open(self.queue_dir / LOG, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "megamu.loop.async_worker", str(self.queue_dir)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "megamu.rollout.async_worker", str(self.queue_dir)],
                                          env=env, stdout=log, stderr=subprocess.STDOUT)
         print(f"[async] engine process {self.proc.pid} started on version {weights.version}; queue cursor "
               f"{self.queue.cursor}; log {self.queue_dir / LOG}", flush=True)

@@ -24,7 +24,7 @@ import torch
 from megamu.data.prompts import stop_token_ids
 from megamu.data.stage_prompts import Prompts
 from megamu.engines.weights import Weights
-from megamu.loop.heldout import evaluate_sets
+from megamu.evaluation.heldout import evaluate_sets
 from megamu.loop.state import QueueCursor, RunState
 from megamu.loop.summary import print_summary
 from megamu.observability.drift import StageDrift
@@ -158,7 +158,7 @@ class Trainer:
         """The final policy as an HF folder (hf/final), for its held-out evaluation and for the user."""
         return self.policy.weights(hf_dir=self.run_dir.final_export)
 
-    # -- evaluation (rank 0 scores; megamu.loop.heldout)
+    # -- evaluation (rank 0 scores; megamu.evaluation.heldout)
     def sampling(self, stage: int) -> SamplingParams:
         """The rollout's sampling parameters for ``stage`` (its seed), stopping at the tokenizer's end tokens."""
         return self.cfg.rollout.sampling(stage, stop_token_ids(self.tokenizer))

@@ -1,4 +1,5 @@
-"""Generating and storing a stage: the rollout phase (phase.py) writes the static dataset D_k (dataset.py).
+"""Generating and storing a stage: the rollout phase (phase.py) writes the static dataset D_k (dataset.py); async mode's
+engine process (async_worker.py) fills its durable queue with shards of the same format.
 
 ``RolloutConfig`` holds how a stage's samples are drawn and stored; which engine draws them is the engines' config.
 Nothing here imports the trainer (megamu.training): the loops hand the phase an engine and prompts.

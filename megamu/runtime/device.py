@@ -53,9 +53,6 @@ class Device:
         if self.is_cuda:
             torch.cuda.set_device(local_rank)
 
-    def torch_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.is_cuda else torch.device("cpu")
-
     def describe(self) -> str:
         """What runs the math, for the plan and for reports: the GPU, or the CPU model and torch's kernel ISA (a
         duration measured on one CPU says little about another: see the README's demo paragraph)."""

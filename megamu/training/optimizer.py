@@ -13,7 +13,8 @@ the Adam moments (GPU bf16: and fp32 main weight) of one parameter as this rank'
 A non-finite gradient norm skips the update (Megatron's behaviour; every rank sees the same reduced norm, so all
 skip together): ``skipped_steps`` counts them, ``last_step_skipped`` tells the caller, and more than
 ``max_skipped_steps`` in a row raise. ``offload(spill_dir)`` / ``reload()`` take the trainer's memory away for a
-rollout and give it back bitwise; ``memory()`` reports what the trainer's tensors occupy (``megamu.training.memory``).
+rollout and give it back bitwise; ``memory()`` reports what the trainer's tensors occupy
+(``megamu.memory.trainer_memory``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch.distributed as dist
 
 from megamu.config_fields import flag
 from megamu.errors import ConfigError
+from megamu.memory.trainer_memory import TrainerMemory, storage_bytes
 from megamu.runtime import parallel
 from megamu.runtime.device import CPU, Device
 from megamu.training.host_mirror import HostMirror, device_tensors
-from megamu.training.memory import TrainerMemory, spill, storage_bytes, unspill
+from megamu.training.spill import spill, unspill
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")

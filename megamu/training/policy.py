@@ -17,6 +17,7 @@ from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
 from megamu.engines.weights import LogprobProbe, Weights
 from megamu.errors import ConfigError, check_choice, check_non_negative, check_positive
+from megamu.memory.trainer_memory import TrainerMemory
 from megamu.model import ModelArch, build_model
 from megamu.model.config import MOE_LOAD_BALANCING, check_load_balancing
 from megamu.model.moe_settings import MoeSettings
@@ -25,7 +26,6 @@ from megamu.runtime import parallel
 from megamu.runtime.atomic import atomic_write
 from megamu.runtime.device import Device
 from megamu.training.checkpoint import load_checkpoint, load_model_checkpoint, save_checkpoint
-from megamu.training.memory import TrainerMemory
 from megamu.training.optimizer import OptimizerConfig, build_optimizer
 from megamu.training.reference import ReferencePolicy
 from megamu.training.step import compute_logprobs, train_step

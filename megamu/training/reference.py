@@ -46,6 +46,3 @@ class ReferencePolicy:
         if self._offloaded:
             self._mirror.reload()
             self._offloaded = False
-
-    def param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())

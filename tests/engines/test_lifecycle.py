@@ -45,10 +45,10 @@ class FakeEngine:
         return list(PROBE.logprobs)
 
     @property
-    def pool(self):  # memory.release/resume post to every server of the pool
+    def pool(self):  # memory_saver.release/resume post to every server of the pool
         return self
 
-    def post_all(self, path, body, what):  # the memory saver's release / resume (engines/sglang/memory.py)
+    def post_all(self, path, body, what):  # the memory saver's release / resume (engines/sglang/memory_saver.py)
         self.calls.append((path.strip("/").split("_")[0], tuple(body["tags"])))
 
     def pause_probes(self):  # their order around the release: test_push_order.py

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from megamu.algo import ALGORITHM_PRESETS
+from megamu.config.loop_config import EvalConfig
 from megamu.config.plan import StagedPlan
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle import base as lifecycle_base
 from megamu.engines.local import LocalEngine
 from megamu.engines.weights import Weights
-from megamu.loop.heldout import EvalConfig
 from megamu.loop.staged import train_staged
 from megamu.loop.state import RunState
 from megamu.loop.trainer import Trainer

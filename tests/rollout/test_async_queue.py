@@ -10,12 +10,12 @@ import pytest
 from megamu.config.loop_config import AsyncConfig
 from megamu.data.prompts import PromptRecord
 from megamu.engines import EngineConfig
-from megamu.loop.async_worker import CONSUMED, LOG, prompts_at, read_json
 from megamu.loop.engine_process import EngineProcess, EngineProcessError
 from megamu.loop.state import QueueCursor
 from megamu.mode import ASYNC
 from megamu.observability.metrics import MetricsLogger
 from megamu.rollout import RolloutConfig
+from megamu.rollout.async_worker import CONSUMED, LOG, prompts_at, read_json
 from megamu.rollout.dataset import write_shard
 from megamu.rollout.records import RolloutSample
 from megamu.run.run_dir import RunDir

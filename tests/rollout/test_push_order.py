@@ -50,10 +50,10 @@ class FakeServers:
         return SyncReport("memory" if state_dict is not None else "disk", 0.0, version, 0, None)
 
     @property
-    def pool(self):  # memory.release/resume post to every server of the pool
+    def pool(self):  # memory_saver.release/resume post to every server of the pool
         return self
 
-    def post_all(self, path, body, what):  # memory.release/resume's one call
+    def post_all(self, path, body, what):  # memory_saver.release/resume's one call
         self.events.append(f"{path.strip('/').split('_')[0]} " + ",".join(body["tags"]))
 
     def pause_probes(self):  # SGLangEngine's: no health probe in flight when the servers release their memory

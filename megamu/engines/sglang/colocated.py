@@ -5,7 +5,7 @@ node's servers read it) or in memory, broadcast from rank 0 or, for servers on t
 pushed by each node to its own servers (CUDA IPC handles open only on their own host; slime's colocated update does
 the same). Each push is checked (layout, weight version, a teacher-forced log-prob probe) and logged as a "sync"
 record. Servers on the trainer's GPUs (--sglang-memory-saver) give their memory back while the trainer trains and
-take it again around the push (memory.py): weights first, the KV cache once the pushed tensors are freed.
+take it again around the push (memory_saver.py): weights first, the KV cache once the pushed tensors are freed.
 A refresh survives one fault (push_recovery.py): a failed push is sent again, then reloaded from an export of the same
 weights; a probe mismatch is pushed again once; each fault is logged as a "sync_fault" record.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from megamu.engines import EngineConfig
 from megamu.engines.lifecycle.base import LifecycleBase, Log, WeightRequest
-from megamu.engines.sglang import memory
+from megamu.engines.sglang import memory_saver
 from megamu.engines.sglang.push_recovery import push_surviving_one_fault, write_recovery_export
 from megamu.engines.sglang.rank_push import RankPush
 from megamu.engines.sglang.schema import SGLangError
@@ -140,7 +140,7 @@ class ColocatedSGLang(LifecycleBase):
         which a mismatch answers by pushing the host copy of the weights once more (push_recovery.py)."""
         if not parallel.is_main_rank():
             return
-        self._resume(*memory.ALL)
+        self._resume(*memory_saver.ALL)
         if self.pending is not None:
             stage, report = self.report
             probe, self.pending = self.pending, None
@@ -220,17 +220,17 @@ class ColocatedSGLang(LifecycleBase):
             parallel.wait_for_main_rank()
         if self.saves_memory and self.engine is not None and not self.released:
             self.engine.pause_probes()  # SGLang asserts an idle server on release; a probe is a request
-            memory.release(self.engine.pool, memory.ALL)
-            self.released = memory.ALL
+            memory_saver.release(self.engine.pool, memory_saver.ALL)
+            self.released = memory_saver.ALL
         self.warm = True
 
     def _weights_back(self) -> None:
-        self._resume(memory.WEIGHTS)
+        self._resume(memory_saver.WEIGHTS)
 
     def _resume(self, *tags: str) -> None:
         todo = tuple(t for t in self.released if t in tags)
         if todo:
-            memory.resume(self.engine.pool, todo)
+            memory_saver.resume(self.engine.pool, todo)
             self.released = tuple(t for t in self.released if t not in todo)
 
     def stop(self) -> None:

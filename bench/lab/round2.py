@@ -1,5 +1,5 @@
 """The lab report's curve readings (issue 42): round one's committed set re-read on whole curves, and round two's
-registered arms (fidelity_plan.ARMS) with their verdicts and the time to accuracy. Every number comes from run
+registered arms (plan.ARMS) with their verdicts and the time to accuracy. Every number comes from run
 summaries; the paper's effect sizes are quoted beside the lab's differences.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 import statistics
 
-import fidelity_curves as cv
-import fidelity_figures as figs
-import fidelity_plan as plan
-import fidelity_stats as st
+from bench.lab import curves as cv
+from bench.lab import figures as figs
+from bench.lab import plan
+from bench.lab import stats as st
 
 # The paper's effect sizes, from its text (§5.1-5.2, App. C.1 and C.3), beside each comparison the lab makes.
 PAPER = {
@@ -66,7 +66,7 @@ def by_method(runs: list) -> dict[str, list]:
 
 def diff_line(name: str, xs: list, ys: list, paper: str = "", confidence: float = REREAD_CONFIDENCE) -> str:
     """Paired per-seed differences of last-stage mean and area, with a t interval over the seeds (n - 1 degrees of
-    freedom; fidelity_stats): "above" / "below" where the whole interval is, else "inconclusive" (always with one
+    freedom; stats): "above" / "below" where the whole interval is, else "inconclusive" (always with one
     seed). Issue 51 re-read round two this way: its "2 SE" had been the evaluation's sampling noise alone for one
     seed and |d1 - d2| / sqrt(2) for two, both narrower than the seed-to-seed spread."""
     if not xs or not ys:
@@ -88,7 +88,7 @@ def round_one_reading(runs: list, lr: float, mu: int, low_mu: int, updates: int,
     one = by_method([r for r in at if r.mu == updates])
     out = ["## Round one re-read on curves (issue 42)", "",
            "Best and final are two points of curves that swing by ±0.15 within a stage; the columns in bold read the "
-           "whole curve (definitions: `bench/fidelity_curves.py`). Per-stage KL is the per-token approx KL to β "
+           "whole curve (definitions: `bench/lab/curves.py`). Per-stage KL is the per-token approx KL to β "
            "(≈: from the summary's 64 window medians, not every update).", "", *curve_table(kept, dropped), ""]
     out += ["### The claims on last-stage mean and area (paired by seed)", ""]
     get = g.get

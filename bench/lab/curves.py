@@ -7,7 +7,7 @@ per-stage statistics, beside best and final.
 - *min*: the lowest evaluation after update 0 (a run that swings shows it here),
 - per stage: median and max per-token KL to β, vetoed tokens, replies masked, A < 0 replies below log τ.
 
-Every function takes ``fidelity_summary.Run`` objects and returns numbers; nothing here decides a verdict.
+Every function takes ``summary.Run`` objects and returns numbers; nothing here decides a verdict.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The async rollout engine process (``--rollout-mode async``, paper §5.1) and the durable queue it fills.
 
-Run as ``python -m megamu.loop.async_worker <queue_dir>``: a fresh interpreter (no forked torch/OpenMP state,
+Run as ``python -m megamu.rollout.async_worker <queue_dir>``: a fresh interpreter (no forked torch/OpenMP state,
 no re-import of the trainer's ``__main__``), started and stopped by ``megamu.loop.engine_process.EngineProcess``.
 
 The queue directory ``<run>/rollouts/async/`` holds:

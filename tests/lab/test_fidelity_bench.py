@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.lab import plan
+from bench.lab.report import verdicts
+from bench.lab.summary import Run, stage_end
 from tests.processes import run_owned
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import fidelity_plan as plan  # noqa: E402
-from fidelity_report import verdicts  # noqa: E402
-from fidelity_summary import Run, stage_end  # noqa: E402
 
 
 def _run(method: str, accs: list[float], mu: int = 1024, lr: float = 3e-5, ratio: float = 1.0, n: int = 128,
@@ -139,8 +137,7 @@ def test_quick_runs_write_summaries_with_sampled_and_greedy_accuracy(quick):
 
 
 def test_the_key_changes_with_every_setting_that_changes_the_run():
-    sys.path.insert(0, str(REPO / "bench"))
-    import fidelity
+    from bench.lab import driver as fidelity
 
     a = fidelity.parse(["--quick", "--out", "/nonexistent"])
     a.lab = {"weights_sha256": "x"}
@@ -178,7 +175,7 @@ def test_a_second_sitting_reads_finished_runs_back(quick):
 
 
 def test_when_the_rule_finds_no_lr_the_plan_stops_unless_one_is_set_by_hand():
-    import fidelity
+    from bench.lab import driver as fidelity
 
     a = fidelity.parse(["--quick", "--out", "/nonexistent", "--plan"])
     a.lab, a.key_of = {}, lambda *args: fidelity.key_of(a, *args)
@@ -217,7 +214,7 @@ def test_the_tau_rule_interpolates_the_stage_one_veto_rate_log_log():
 
 
 def test_curve_readings_use_the_whole_curve():
-    import fidelity_curves as cv
+    from bench.lab import curves as cv
 
     accs = [0.1, 0.5, 0.2, 0.6, 0.3, 0.4, 0.9, 0.7, 0.5]  # evaluations every 512 of 4096 updates
     r = _run("mu-grpo", accs)
@@ -233,7 +230,7 @@ def test_curve_readings_use_the_whole_curve():
 
 
 def test_round_two_runs_every_arms_first_seed_before_any_second():
-    import fidelity
+    from bench.lab import driver as fidelity
 
     a = fidelity.parse(["--out", "/nonexistent", "--round2"])
     a.lab = {"weights_sha256": "x"}

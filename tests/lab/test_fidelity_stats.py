@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import fidelity_plan as plan  # noqa: E402
-import fidelity_round3 as r3  # noqa: E402
-import fidelity_stats as st  # noqa: E402
-from fidelity_summary import Run  # noqa: E402
+from bench.lab import plan
+from bench.lab import round3 as r3
+from bench.lab import stats as st
+from bench.lab.summary import Run
 
 
 @pytest.mark.parametrize("p", [0.6, 0.9, 0.95, 0.975, 0.995])

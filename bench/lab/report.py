@@ -1,5 +1,5 @@
 """bench/fidelity.py's report (docs/fidelity-4stage.md): the rules, the gate, the lr rule, the runs' tables, figures
-in the paper's shape and the per-claim verdicts, all read from the committed run summaries (bench/fidelity_summary.py)
+in the paper's shape and the per-claim verdicts, all read from the committed run summaries (bench/lab/summary.py)
 so that ``--report-only`` regenerates it in any later sitting. Runs not finished yet are listed as pending.
 """
 
@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import fidelity_plan as plan
-import fidelity_round2 as r2
-import fidelity_round3 as r3
-from fidelity_plan import collapsed, holds_peak, learned, se
+from bench.lab import plan
+from bench.lab import round2 as r2
+from bench.lab import round3 as r3
+from bench.lab.plan import collapsed, holds_peak, learned, se
 
 LATE_FALLS, LATE_NEAR = 0.8, (0.8, 1.25)
 CLIP_RELAXED = {"grpo-relaxed", "mu-grpo", "mu-grpo-trigger", "mu-grpo-nontrigger-suffix", "mu-grpo-suffix",
@@ -137,7 +137,7 @@ def table(runs: list) -> list[str]:
 
 
 def write_report(a, runs: list) -> None:
-    import fidelity_figures as figs
+    from bench.lab import figures as figs
 
     fig_dir = a.report.parent / a.report.stem
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def round_one_view(a):
 
 def _rel(p: Path) -> str:
     try:
-        return str(Path(p).resolve().relative_to(Path(__file__).resolve().parents[1]))
+        return str(Path(p).resolve().relative_to(Path(__file__).resolve().parents[2]))
     except ValueError:
         return str(p)
 

@@ -196,7 +196,7 @@ class Arm:
     mu: int = 1024
     updates: int = 4096
     lr: float = ROUND2_LR
-    tag: str = ""  # keys of its own: not read back from the committed set (bench/fidelity.py RunKey.tag)
+    tag: str = ""  # keys of its own: not read back from the committed set (bench/lab/driver.py RunKey.tag)
     tests: str = ""
     implicates: str = ""
     clears: str = ""
@@ -250,7 +250,7 @@ ARMS = (
 ROUND2_SEEDS = (1, 2)
 
 ROUND2_RULES = """\
-- Registered in bench/fidelity_plan.py (`ARMS`) before any of its runs, on the lab model shipped in
+- Registered in bench/lab/plan.py (`ARMS`) before any of its runs, on the lab model shipped in
   bench/lab/pinned/ (round one's model could not be rebuilt on this machine: bench/lab/model.py). The `baseline` arm
   reruns the committed set's headline regime (lr 3e-5, B_mini 2 x 8, μ = 1024 x 4, τ = 1e-4) on it; every other arm
   changes one thing against it and compares methods at the same seed, which see the same stage-1 rollouts where
@@ -316,7 +316,7 @@ ROUND3_ORDER = (("A-grpo-lr1e-5", 1), ("A-grpo-lr1e-5", 2), ("B-mu-grpo-lr1e-5",
                 ("D-mu-grpo-8x8-mu1024", 1), ("D-mu-grpo-8x8-mu1024", 2))
 
 ROUND3_RULES = f"""\
-- Registered in bench/fidelity_plan.py (`ARMS3`, `ROUND3_ORDER`) before any of its runs, on the shipped lab model;
+- Registered in bench/lab/plan.py (`ARMS3`, `ROUND3_ORDER`) before any of its runs, on the shipped lab model;
   every round-three run is evaluated every {ROUND3_EVERY} updates.
 - **Headline rule** (μ-GRPO matches GRPO μ = 4 at one lr, lr {ROUND3_LR:g}): d_s = B's last-stage mean minus A's at
   seed s, s = 1..4; the interval is mean(d) ± t(n-1, 0.95) sd(d) / sqrt(n), a two-sided

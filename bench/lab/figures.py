@@ -1,4 +1,4 @@
-"""bench/fidelity.py's figures, in the paper's shape, from run summaries (bench/fidelity_summary.py): accuracy against
+"""bench/fidelity.py's figures, in the paper's shape, from run summaries (bench/lab/summary.py): accuracy against
 updates (sampled pass@1 solid, greedy dashed, as in the paper's Figs. 2-3) beside the per-update statistics that
 explain it (clip fraction: Fig. 2; E[ρ|A<0] and its lower tail: Fig. 3 and §3.2; the veto's trigger rate).
 
@@ -147,7 +147,7 @@ def staleness_curve(points: dict[str, dict[int, list]], path: Path, title: str) 
     """Last-stage mean against μ per stage (log axis), one line per rule through the seeds' means, each seed a dot."""
     import statistics
 
-    from fidelity_curves import last_stage_mean
+    from bench.lab.curves import last_stage_mean
 
     if not any(rs for per_mu in points.values() for rs in per_mu.values()):
         return False

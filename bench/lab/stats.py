@@ -113,7 +113,7 @@ class Interval:
 
 
 def paired_interval(xs: list, ys: list, fn, confidence: float) -> Interval:
-    """The interval of fn(x) - fn(y) over the seeds both run lists have (``fidelity_curves.paired``)."""
+    """The interval of fn(x) - fn(y) over the seeds both run lists have (``curves.paired``)."""
     by = {y.seed: y for y in ys}
     return Interval(tuple(fn(x) - fn(by[x.seed]) for x in sorted(xs, key=lambda r: r.seed) if x.seed in by),
                     confidence)

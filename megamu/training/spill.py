@@ -1,4 +1,4 @@
-"""The trainer's own tensors: how many bytes they hold on a device, and spilling them out of memory and back.
+"""The trainer's own tensors spilled out of memory and back (what they occupy is megamu.memory.trainer_memory).
 
 Used around a rollout (``--offload-train``): the engine gets the memory the trainer's gradients, optimiser moments
 (and on GPU parameters and fp32 main parameters) would otherwise keep. ``spill`` / ``unspill`` keep the tensor
@@ -10,49 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-GIB = 2**30
-
-
-@dataclass
-class TrainerMemory:
-    """Bytes of the trainer's tensors resident on the training device, by kind (views counted once)."""
-
-    params: int = 0
-    grads: int = 0
-    main_params: int = 0
-    moments: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.main_params + self.moments
-
-    def gib(self) -> float:
-        return self.total / GIB
-
-    def to_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device, seen: set[int]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` that live on ``device``; ``seen`` (storage addresses)
-    carries over between calls so a view into a buffer counted earlier (a parameter in megatron's flat buffer,
-    ``main_grad``) is not counted again. An offloaded storage (resized to 0) counts 0."""
-    total = 0
-    for t in tensors:
-        if t is None or t.device != device:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
 
 
 def _raw(t: torch.Tensor):

@@ -1,17 +1,17 @@
 """The lab report's round three (issue 51): the paper's headline at one lr (μ-GRPO at μ = 1024 x 4 against GRPO
 μ = 4, both at lr 1e-5, paired seeds), the staleness curve, time to accuracy, and the held-out check of the drift
-hint. Every number comes from run summaries; the rules are fidelity_plan.ROUND3_RULES, registered before the runs.
+hint. Every number comes from run summaries; the rules are plan.ROUND3_RULES, registered before the runs.
 """
 
 from __future__ import annotations
 
 import math
 
-import fidelity_curves as cv
-import fidelity_figures as figs
-import fidelity_plan as plan
-import fidelity_stats as st
-from fidelity_round2 import PAPER, _f, _mean, by_method, curve_table
+from bench.lab import curves as cv
+from bench.lab import figures as figs
+from bench.lab import plan
+from bench.lab import stats as st
+from bench.lab.round2 import PAPER, _f, _mean, by_method, curve_table
 
 DRIFT_HINT_KL = 0.03  # megamu.observability.drift's threshold, checked here on runs it was not fitted to
 

@@ -342,14 +342,15 @@ def test_typed_plans_count_their_own_shape():
 def test_generated_flags_default_to_their_fields():
     """A part whose fields carry their flags gets them from the tree: each flag's default is the field's (AlgoConfig's
     are None, "the preset's"), and the values read back build the part's defaults."""
-    from megamu.arguments.generated import ALGO_FLAGS, field_values
+    from megamu.arguments.generated import field_values
     from megamu.observability.tracking import TrackerConfig
 
     args = build_parser().parse_args([])
     assert EvalConfig(**field_values(EvalConfig, args)) == EvalConfig()
     assert TrackerConfig(**field_values(TrackerConfig, args)) == TrackerConfig()
     assert OptimizerConfig(**field_values(OptimizerConfig, args)) == OptimizerConfig()
-    assert field_values(AlgoConfig, args, attached=ALGO_FLAGS) == dict.fromkeys(ALGO_FLAGS)
+    overrides = [f.name for f in dataclasses.fields(AlgoConfig) if f.name != "name"]  # each setting: a flag
+    assert field_values(AlgoConfig, args) == dict.fromkeys(overrides) and len(overrides) == 18
     given = build_parser().parse_args(["--eval-top-p", "0.5", "--wandb-dir", "w", "--nav-scope", "suffix"])
     assert (given.eval_top_p, given.wandb_dir, given.nav_scope) == (0.5, Path("w"), "suffix")
 
@@ -369,9 +370,8 @@ def _flag_fields(cls: type, prefix: str = ""):
 
 
 def test_every_flag_a_field_carries_is_a_flag_of_the_parser_and_names_its_errors():
-    from megamu.arguments.generated import ALGO_FLAGS
-
-    found = dict(_flag_fields(RunConfig)) | {f"algo.{n}": s.names[0] for n, s in ALGO_FLAGS.items()}
+    found = dict(_flag_fields(RunConfig))
+    assert found["algo.veto_threshold"] == "--nav-threshold"  # AlgoConfig's fields carry theirs like every part
     assert found["plan.max_policy_lag"] == "--max-policy-lag"  # the plan's union: AsyncPlan's fields are walked too
     assert found["policy.checkpoint.keep"] == "--keep-checkpoints" and len(found) >= 40
     known = {s for a in build_parser()._actions for s in a.option_strings}

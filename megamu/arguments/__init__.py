@@ -9,8 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
-from megamu.algo.dapo import FILTER_METRICS
+from megamu.algo import ALGORITHM_PRESETS, AlgoConfig
 from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, servers_note, world_size
 from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
     FLAG_OF_PATH,
@@ -27,7 +26,7 @@ from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes th
     reward_config,
 )
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
-from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
+from megamu.arguments.generated import add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
 from megamu.arguments.sglang_flags import forward_sglang_flags
@@ -55,10 +54,10 @@ from megamu.training.policy import CheckpointConfig, PolicyConfig
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
 
-# Most flags are generated from the config tree (fields made with megamu.config_fields.flag; AlgoConfig's attached in
-# generated.ALGO_FLAGS), group by group in the order --help shows. Written out here: flags that are not one field each
-# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...) and the Megatron-LM compatibility flags
-# (megatron.py). The engine's and the reward's groups are added by engine.py (tools/evaluate.py shares them).
+# Most flags are generated from the config tree (fields made with megamu.config_fields.flag), group by group in the
+# order --help shows. Written out here: flags that are not one field each (the stage counts, --prompt-data,
+# --answer-key, --behaviour-logprobs, ...) and the Megatron-LM compatibility flags (megatron.py). The engine's and the
+# reward's groups are added by engine.py (tools/evaluate.py shares them).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
@@ -107,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default=None,
                    help=f"default {DEFAULT_ALGORITHM}; grpo for a launch giving slime's --advantage-estimator or "
                         "--eps-clip without it (slime's GRPO)")
-    add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
-               choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES,
-                        "filter_metric": FILTER_METRICS})
+    add_fields(g, AlgoConfig, ["clip_low", "clip_high", "veto_threshold", "veto_scope", "m2po_threshold",
+                               "aggregation", "use_kl_loss", "kl_coef", "kl_type", "entropy_coef", "overlong_buffer",
+                               "overlong_penalty_factor", "dynamic_sampling", "max_sampling_rounds", "filter_metric",
+                               "sampling_round_prompts", "fill_short_stage", "clip_ratio_c"])
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
     add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 
@@ -274,7 +274,7 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     notes += convert_intervals(args, 1 if plan.mode.streams else plan.mu, plan.mode.streams)
     dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
     algo = _config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
-                   **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
+                   **field_values(AlgoConfig, args))
     # the values the run stores once (seed, G, response bound, temperature, device, run directory) and what follows
     # from the run (lr_decay_iters, B_train, the built-in rows, ...) are passed down by RunConfig.derive
     optimizer = _config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))

@@ -16,7 +16,7 @@ import pytest
 
 from megamu.algo import AlgoConfig
 from megamu.arguments import build_parser, flag_of, parse_args
-from megamu.arguments.generated import _part_types
+from megamu.arguments.flag_errors import part_types
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import AsyncPlan, StagedPlan
 from megamu.config.run_config import RunConfig
@@ -140,7 +140,7 @@ def _leaves(cls: type, prefix: str = "") -> typing.Iterator[str]:
     """Every leaf field's dotted path below ``cls``, walking the parts by type hint (the plan's union: both)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        parts = [t for t in _part_types(hints[f.name]) if t is not cls]
+        parts = [t for t in part_types(hints[f.name]) if t is not cls]
         if not parts:
             yield prefix + f.name
         for part in parts:
@@ -162,12 +162,36 @@ def test_every_leaf_has_a_real_flag_or_is_refused():
 
 
 def test_no_two_fields_carry_one_flag():
-    """A flag sets one field; the copies of a quantity map to its flag only through FLAG_OF_PATH (passed down)."""
-    from megamu.arguments.generated import field_flag
+    """A flag sets one field; the copies of a quantity map to its flag only through their ``derived`` source."""
+    from megamu.arguments.flag_errors import field_flag
 
     carried = [(p, field_flag(RunConfig, p)) for p in set(_leaves(RunConfig))]
     flags = [f for _, f in carried if f is not None]
     assert len(flags) == len(set(flags)), sorted(f for f in flags if flags.count(f) > 1)
+
+
+def test_an_error_names_the_flag_its_field_declares():
+    """flag_of reads the declarations, no table: a copy names the flag of the field it copies (followed through its
+    ``derived`` source, which must reach a flag), a field set by a converted flag names that flag."""
+    from megamu.arguments.flag_errors import classes_holding
+    from megamu.config_fields import field_source
+
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    sources = {}
+    for path in set(_leaves(RunConfig)) | {"async_", "engine.sglang"}:
+        classes, name = classes_holding(RunConfig, path)
+        found = [s for cls in classes if (s := field_source(cls, name)) is not None]
+        if found:
+            sources[path] = found[0]
+    assert len(sources) >= 20
+    for path, source in sources.items():
+        if source.startswith("--"):
+            assert set(source.split("/")) <= known, (path, source)  # a flag of the parser, written out in arguments/
+        else:
+            assert flag_of(path) == flag_of(source), (path, source)  # the copy's error names the original's flag
+    assert flag_of("rollout.n_samples") == flag_of("plan.n_samples_per_prompt") == "--n-samples-per-prompt"
+    assert flag_of("plan.algorithm") == flag_of("algo.name") == "--algorithm"  # two hops: plan -> algo -> the flag
+    assert flag_of("prompts.data_dir") == "--save" and flag_of("policy.temperature") == "--rollout-temperature"
 
 
 def test_every_config_is_frozen():
@@ -179,7 +203,7 @@ def test_every_config_is_frozen():
 def _classes_at(path: str) -> tuple[type, ...]:
     classes: tuple[type, ...] = (RunConfig,)
     for part in filter(None, path.split(".")):
-        classes = tuple(t for c in classes for t in _part_types(typing.get_type_hints(c).get(part)))
+        classes = tuple(t for c in classes for t in part_types(typing.get_type_hints(c).get(part)))
     return classes
 
 
@@ -273,7 +297,7 @@ def test_every_engine_field_names_its_own_flag():
     found = {path.removeprefix("engine."): flag for path, flag in _flag_fields(RunConfig) if path.startswith("engine.")}
     assert found == ENGINE_FLAGS  # carried by the fields, none lost or added in the move
     assert {path: flag_of("engine." + path) for path in ENGINE_FLAGS} == ENGINE_FLAGS
-    assert flag_of("engine.sglang") == "--rollout-engine"  # the part as a whole carries no flag: FLAG_OF_PATH's
+    assert flag_of("engine.sglang") == "--rollout-engine"  # the part as a whole: derived from engine.kind
 
 
 def test_engine_flags_read_back_as_the_config_built_in_code():
@@ -364,7 +388,7 @@ def _flag_fields(cls: type, prefix: str = ""):
         spec = flag_spec(cls, f.name)
         if spec is not None:
             yield prefix + f.name, spec.names[0]
-        for part in _part_types(hints[f.name]):
+        for part in part_types(hints[f.name]):
             if part is not cls:
                 yield from _flag_fields(part, prefix + f.name + ".")
 

@@ -4,7 +4,7 @@ Built by ``AlgoConfig.preset(name, **overrides)`` from the paper's presets (mega
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -12,7 +12,7 @@ from megamu.algo.dapo import FILTER_METRICS
 from megamu.algo.kl import KL_TYPES
 from megamu.algo.presets import PRESETS
 from megamu.algo.veto import VETO_SCOPES
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.errors import ConfigError
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
@@ -43,7 +43,9 @@ class AlgoConfig:
 
     # The flags override the preset (a flag left out: None, the preset's value): slime's and verl's names where they
     # have the setting (verl's in the comments), megamu's where they do not.
-    name: str = field(kw_only=False)
+    # --algorithm picks the preset the flags below override (written out in megamu.arguments: its default follows
+    # from slime's flags)
+    name: str = derived("--algorithm", default=MISSING, kw_only=False)
     # the ratio's range [1 - clip_low, 1 + clip_high]; slime's --eps-clip / --eps-clip-high set them with slime's
     # meaning (megamu.arguments.slime: --eps-clip alone sets both, and a launch without --algorithm runs slime's GRPO)
     clip_low: float = flag("--clip-low", flag_default=None, type=float)

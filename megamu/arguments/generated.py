@@ -1,13 +1,11 @@
 """The parser generated from the config tree: each field made with ``megamu.config_fields.flag`` adds its own flag
-(``add_fields``) and is read back by name (``field_values``); ``flag_of`` maps a config error's dotted path to the flag
-of that field."""
+(``add_fields``) and is read back by name (``field_values``); megamu.arguments.flag_errors maps a config error's field
+to its flag from the same declarations."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
-import typing
 from collections.abc import Sequence
 
 from megamu.algo import AlgoConfig
@@ -37,19 +35,3 @@ def field_values(config_cls: type, args: argparse.Namespace) -> dict:
     """The flag-carrying fields of ``config_cls`` as ``args`` holds them: keyword arguments for ``config_cls``."""
     return {f.name: getattr(args, spec.dest) for f in dataclasses.fields(config_cls)
             if (spec := flag_spec(config_cls, f.name)) is not None}
-
-
-def _part_types(hint) -> tuple[type, ...]:
-    """The config classes a field's type hint holds (``X | None`` -> X; the plan's union -> both)."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-        else (hint,)
-    return tuple(t for t in options if dataclasses.is_dataclass(t))
-
-
-def field_flag(root: type, path: str) -> str | None:
-    """The flag a field at dotted ``path`` below ``root`` carries; None if it has none."""
-    *parents, name = path.split(".")
-    classes: tuple[type, ...] = (root,)
-    for part in parents:
-        classes = tuple(t for cls in classes for t in _part_types(typing.get_type_hints(cls).get(part)))
-    return next((spec.names[0] for cls in classes if (spec := flag_spec(cls, name)) is not None), None)

@@ -3,9 +3,9 @@ configure it; megamu.engines re-exports it beside ``build_engine``, which makes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.engines.sglang.launch import SGLangConfig
 from megamu.errors import ConfigError, check_choice, check_positive
 
@@ -27,7 +27,8 @@ class EngineConfig:
     max_batch_size: int = flag("--local-engine-batch-size", default=128, type=int, help=(
         "local engine: sequences decoded together (slime's --rollout-batch-size is prompts per rollout: megamu's "
         "--prompts-per-stage)"))
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # servers, launch and weight sync (kind "sglang")
+    # servers, launch and weight sync: as a whole, set only with --rollout-engine sglang (its fields carry their flags)
+    sglang: SGLangConfig = derived("engine.kind", default_factory=SGLangConfig)
 
     def __post_init__(self):
         if self.kind is not None:

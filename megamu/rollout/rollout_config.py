@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.engines.types import SamplingParams
 from megamu.errors import ConfigError, check_positive
 from megamu.reward.config import RewardConfig
@@ -18,11 +18,11 @@ class RolloutConfig:
     plan.max_response_len): None here, RunConfig.derive passes them down and refuses a copy that differs. The
     sampling temperature is stored here only (the policy's log-probs take it from here)."""
 
-    n_samples: int | None = None  # derived: G, the run's plan.n_samples_per_prompt
-    seed: int | None = None  # derived: the run's seed; stage k samples with seed + k
+    n_samples: int | None = derived("plan.n_samples_per_prompt")  # G
+    seed: int | None = derived("seed")  # stage k samples with seed + k
     temperature: float = flag("--rollout-temperature", default=1.0, type=float)
     top_p: float = flag("--rollout-top-p", default=1.0, type=float)
-    max_new_tokens: int | None = None  # derived: the run's plan.max_response_len
+    max_new_tokens: int | None = derived("plan.max_response_len")
     groups_per_shard: int = flag("--rollout-groups-per-shard", default=16, type=int,
                                  help="prompt groups per durable shard")
     # engines that take whole calls (the local engine): shards per call

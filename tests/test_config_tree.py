@@ -194,6 +194,41 @@ def test_an_error_names_the_flag_its_field_declares():
     assert flag_of("prompts.data_dir") == "--save" and flag_of("policy.temperature") == "--rollout-temperature"
 
 
+# Where a flag is not its field's name (after its part's prefix, e.g. SGLangConfig.tp_size <- --sglang-tp-size, and a
+# unit suffix, _s), why (issue 52 item 3). The flags keep their spellings: users' launch scripts (slime's, verl's
+# translated) carry them; the fields keep theirs: the code, presets and checkpoints' records use them.
+NAMED_APART = {
+    "veto_threshold": "--nav-threshold",  # τ of the negative-advantage veto (NAV, §3.3): the paper's symbol
+    "veto_scope": "--nav-scope",  # the same veto's scope (App. C.2)
+    "aggregation": "--loss-aggregation",  # verl's actor.loss_agg_mode
+    "kl_coef": "--kl-loss-coef", "kl_type": "--kl-loss-type",  # slime's spellings
+    "overlong_buffer": "--overlong-buffer-len",  # verl's reward_model.overlong_buffer.len
+    "filter_metric": "--filter-groups-metric",  # verl's algorithm.filter_groups.metric
+    "sampling_round_prompts": "--prompts-per-sampling-round",  # verl's data.gen_batch_size
+    "keep": "--keep-checkpoints",  # the checkpoint part's field; the flag says what is kept
+    "kind": "--rollout-engine",  # EngineConfig.kind; RewardConfig.kind is --reward (below: one name, two parts)
+    "max_batch_size": "--local-engine-batch-size",  # the local engine's only (SGLang servers batch themselves)
+    "urls": "--sglang-url", "extra_server_args": "--sglang-server-args",  # lists given as one string each
+    "server_python": "--sglang-python", "server_env": "--sglang-env",
+    "sync_master_address": "--weight-sync-address",  # the weight-sync group's, as --weight-sync's companion
+    "code_mode": "--code-reward-mode", "num_workers": "--reward-workers",
+    "max_error_fraction": "--reward-error-tolerance", "item_timeout": "--reward-timeout",
+    "held_out": "--eval-prompts",  # slime-style evaluation flag; the prompts part's field says what it does
+}
+PART_PREFIXES = ("sglang-", "rollout-", "wandb-", "moe-", "code-", "reward-", "use-", "apply-")
+
+
+def test_a_flag_and_its_field_share_a_name_or_say_why():
+    apart = {}
+    for path, flag in _flag_fields(RunConfig):
+        name, bare = path.rsplit(".", 1)[-1], flag.removeprefix("--")
+        if not any(bare.startswith(p) and bare.removeprefix(p).replace("-", "_") in (name, name.removesuffix("_s"))
+                   for p in ("", *PART_PREFIXES)):
+            apart.setdefault(name, set()).add(flag)
+    assert apart.pop("kind") == {"--rollout-engine", "--reward"}
+    assert {k: v.pop() for k, v in apart.items()} == {k: v for k, v in NAMED_APART.items() if k != "kind"}
+
+
 def test_every_config_is_frozen():
     for path in ["", *{p.rsplit(".", 1)[0] for p in _leaves(RunConfig) if "." in p}]:
         for cls in _classes_at(path):

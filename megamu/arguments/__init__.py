@@ -11,19 +11,13 @@ from pathlib import Path
 
 from megamu.algo import ALGORITHM_PRESETS, AlgoConfig
 from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, servers_note, world_size
-from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
-    add_engine_arguments,
-    add_reward_arguments,
-    answer_key,
-    engine_config,
-    engine_flags,
-    reward_config,
-)
+from megamu.arguments.engine import add_engine_arguments, engine_config, engine_flags  # noqa: F401 (tools/evaluate.py)
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
 from megamu.arguments.flag_errors import build_config, flag_error, flag_of, flag_or_path  # noqa: F401 (tests)
 from megamu.arguments.generated import add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
+from megamu.arguments.reward import add_reward_arguments, answer_key, reward_config  # noqa: F401 (tools/evaluate.py)
 from megamu.arguments.sglang_flags import forward_sglang_flags
 from megamu.arguments.slime import (
     add_slime_arguments,
@@ -53,8 +47,8 @@ BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, 
 # order --help shows. Written out (here and in megatron.py, model_args.py, slime.py, evaluation.py): only flags whose
 # value is not a field's value, which parse_args converts (the fields they set say so: config_fields.derived): a list
 # of files, a preset or mode that picks a whole part, slime's and Megatron-LM's spellings of other settings, and the
-# model flags checked against --hf-checkpoint. The engine's and the reward's groups are added by engine.py
-# (tools/evaluate.py shares them).
+# model flags checked against --hf-checkpoint. The engine's and the reward's groups are added by engine.py and
+# reward.py (tools/evaluate.py shares them).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")

@@ -1,6 +1,7 @@
 """Config fields that carry their command-line spelling: ``flag(...)`` is a ``dataclasses.field`` whose metadata holds
-the flag's names, help and argparse details (``FlagSpec``). megamu.arguments generates the parser from them and maps a
-config error's field to its flag; nothing else reads them, so a part stays usable (and checked) without a parser."""
+the flag's names, help and argparse details (``FlagSpec``); ``derived(source)`` marks a field no flag of its own sets
+and says where its value comes from. megamu.arguments generates the parser from the first and maps a config error's
+field to its flag through both; nothing else reads them, so a part stays usable (and checked) without a parser."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def flag(*names: str, default: Any = MISSING, default_factory: Any = MISSING, fl
         argparse["default"] = flag_default
     return field(default=default, default_factory=default_factory,
                  metadata={"flag": FlagSpec(tuple(names), help, argparse)})
+
+
+def derived(source: str, *, default: Any = None, default_factory: Any = MISSING, kw_only: Any = MISSING) -> Any:
+    """A field no flag of its own sets: the run works it out from ``source``, either the dotted path in RunConfig's
+    tree of the field that holds the quantity (RunConfig.derive passes it down; a copy must agree with it), or the
+    flag (``--...``) that megamu.arguments converts into it (a flag whose spelling is not the field's value: a list
+    of files, a choice of preset or mode, slime's launch shape). An error about the field names that source's flag."""
+    if default_factory is not MISSING:
+        default = MISSING
+    return field(default=default, default_factory=default_factory, kw_only=kw_only, metadata={"source": source})
+
+
+def field_source(config_cls: type, name: str) -> str | None:
+    """Where the value of field ``name`` of ``config_cls`` comes from, if it is ``derived``."""
+    f = getattr(config_cls, "__dataclass_fields__", {}).get(name)
+    return f.metadata.get("source") if f is not None else None
 
 
 def flag_spec(config_cls: type, name: str) -> FlagSpec | None:

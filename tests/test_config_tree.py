@@ -16,7 +16,7 @@ import pytest
 
 from megamu.algo import AlgoConfig
 from megamu.arguments import build_parser, flag_of, parse_args
-from megamu.arguments.generated import _part_types
+from megamu.arguments.flag_errors import part_types
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import AsyncPlan, StagedPlan
 from megamu.config.run_config import RunConfig
@@ -140,7 +140,7 @@ def _leaves(cls: type, prefix: str = "") -> typing.Iterator[str]:
     """Every leaf field's dotted path below ``cls``, walking the parts by type hint (the plan's union: both)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        parts = [t for t in _part_types(hints[f.name]) if t is not cls]
+        parts = [t for t in part_types(hints[f.name]) if t is not cls]
         if not parts:
             yield prefix + f.name
         for part in parts:
@@ -162,12 +162,71 @@ def test_every_leaf_has_a_real_flag_or_is_refused():
 
 
 def test_no_two_fields_carry_one_flag():
-    """A flag sets one field; the copies of a quantity map to its flag only through FLAG_OF_PATH (passed down)."""
-    from megamu.arguments.generated import field_flag
+    """A flag sets one field; the copies of a quantity map to its flag only through their ``derived`` source."""
+    from megamu.arguments.flag_errors import field_flag
 
     carried = [(p, field_flag(RunConfig, p)) for p in set(_leaves(RunConfig))]
     flags = [f for _, f in carried if f is not None]
     assert len(flags) == len(set(flags)), sorted(f for f in flags if flags.count(f) > 1)
+
+
+def test_an_error_names_the_flag_its_field_declares():
+    """flag_of reads the declarations, no table: a copy names the flag of the field it copies (followed through its
+    ``derived`` source, which must reach a flag), a field set by a converted flag names that flag."""
+    from megamu.arguments.flag_errors import classes_holding
+    from megamu.config_fields import field_source
+
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    sources = {}
+    for path in set(_leaves(RunConfig)) | {"async_", "engine.sglang"}:
+        classes, name = classes_holding(RunConfig, path)
+        found = [s for cls in classes if (s := field_source(cls, name)) is not None]
+        if found:
+            sources[path] = found[0]
+    assert len(sources) >= 20
+    for path, source in sources.items():
+        if source.startswith("--"):
+            assert set(source.split("/")) <= known, (path, source)  # a flag of the parser, written out in arguments/
+        else:
+            assert flag_of(path) == flag_of(source), (path, source)  # the copy's error names the original's flag
+    assert flag_of("rollout.n_samples") == flag_of("plan.n_samples_per_prompt") == "--n-samples-per-prompt"
+    assert flag_of("plan.algorithm") == flag_of("algo.name") == "--algorithm"  # two hops: plan -> algo -> the flag
+    assert flag_of("prompts.data_dir") == "--save" and flag_of("policy.temperature") == "--rollout-temperature"
+
+
+# Where a flag is not its field's name (after its part's prefix, e.g. SGLangConfig.tp_size <- --sglang-tp-size, and a
+# unit suffix, _s), why (issue 52 item 3). The flags keep their spellings: users' launch scripts (slime's, verl's
+# translated) carry them; the fields keep theirs: the code, presets and checkpoints' records use them.
+NAMED_APART = {
+    "veto_threshold": "--nav-threshold",  # τ of the negative-advantage veto (NAV, §3.3): the paper's symbol
+    "veto_scope": "--nav-scope",  # the same veto's scope (App. C.2)
+    "aggregation": "--loss-aggregation",  # verl's actor.loss_agg_mode
+    "kl_coef": "--kl-loss-coef", "kl_type": "--kl-loss-type",  # slime's spellings
+    "overlong_buffer": "--overlong-buffer-len",  # verl's reward_model.overlong_buffer.len
+    "filter_metric": "--filter-groups-metric",  # verl's algorithm.filter_groups.metric
+    "sampling_round_prompts": "--prompts-per-sampling-round",  # verl's data.gen_batch_size
+    "keep": "--keep-checkpoints",  # the checkpoint part's field; the flag says what is kept
+    "kind": "--rollout-engine",  # EngineConfig.kind; RewardConfig.kind is --reward (below: one name, two parts)
+    "max_batch_size": "--local-engine-batch-size",  # the local engine's only (SGLang servers batch themselves)
+    "urls": "--sglang-url", "extra_server_args": "--sglang-server-args",  # lists given as one string each
+    "server_python": "--sglang-python", "server_env": "--sglang-env",
+    "sync_master_address": "--weight-sync-address",  # the weight-sync group's, as --weight-sync's companion
+    "code_mode": "--code-reward-mode", "num_workers": "--reward-workers",
+    "max_error_fraction": "--reward-error-tolerance", "item_timeout": "--reward-timeout",
+    "held_out": "--eval-prompts",  # slime-style evaluation flag; the prompts part's field says what it does
+}
+PART_PREFIXES = ("sglang-", "rollout-", "wandb-", "moe-", "code-", "reward-", "use-", "apply-")
+
+
+def test_a_flag_and_its_field_share_a_name_or_say_why():
+    apart = {}
+    for path, flag in _flag_fields(RunConfig):
+        name, bare = path.rsplit(".", 1)[-1], flag.removeprefix("--")
+        if not any(bare.startswith(p) and bare.removeprefix(p).replace("-", "_") in (name, name.removesuffix("_s"))
+                   for p in ("", *PART_PREFIXES)):
+            apart.setdefault(name, set()).add(flag)
+    assert apart.pop("kind") == {"--rollout-engine", "--reward"}
+    assert {k: v.pop() for k, v in apart.items()} == {k: v for k, v in NAMED_APART.items() if k != "kind"}
 
 
 def test_every_config_is_frozen():
@@ -179,7 +238,7 @@ def test_every_config_is_frozen():
 def _classes_at(path: str) -> tuple[type, ...]:
     classes: tuple[type, ...] = (RunConfig,)
     for part in filter(None, path.split(".")):
-        classes = tuple(t for c in classes for t in _part_types(typing.get_type_hints(c).get(part)))
+        classes = tuple(t for c in classes for t in part_types(typing.get_type_hints(c).get(part)))
     return classes
 
 
@@ -273,7 +332,7 @@ def test_every_engine_field_names_its_own_flag():
     found = {path.removeprefix("engine."): flag for path, flag in _flag_fields(RunConfig) if path.startswith("engine.")}
     assert found == ENGINE_FLAGS  # carried by the fields, none lost or added in the move
     assert {path: flag_of("engine." + path) for path in ENGINE_FLAGS} == ENGINE_FLAGS
-    assert flag_of("engine.sglang") == "--rollout-engine"  # the part as a whole carries no flag: FLAG_OF_PATH's
+    assert flag_of("engine.sglang") == "--rollout-engine"  # the part as a whole: derived from engine.kind
 
 
 def test_engine_flags_read_back_as_the_config_built_in_code():
@@ -342,14 +401,15 @@ def test_typed_plans_count_their_own_shape():
 def test_generated_flags_default_to_their_fields():
     """A part whose fields carry their flags gets them from the tree: each flag's default is the field's (AlgoConfig's
     are None, "the preset's"), and the values read back build the part's defaults."""
-    from megamu.arguments.generated import ALGO_FLAGS, field_values
+    from megamu.arguments.generated import field_values
     from megamu.observability.tracking import TrackerConfig
 
     args = build_parser().parse_args([])
     assert EvalConfig(**field_values(EvalConfig, args)) == EvalConfig()
     assert TrackerConfig(**field_values(TrackerConfig, args)) == TrackerConfig()
     assert OptimizerConfig(**field_values(OptimizerConfig, args)) == OptimizerConfig()
-    assert field_values(AlgoConfig, args, attached=ALGO_FLAGS) == dict.fromkeys(ALGO_FLAGS)
+    overrides = [f.name for f in dataclasses.fields(AlgoConfig) if f.name != "name"]  # each setting: a flag
+    assert field_values(AlgoConfig, args) == dict.fromkeys(overrides) and len(overrides) == 18
     given = build_parser().parse_args(["--eval-top-p", "0.5", "--wandb-dir", "w", "--nav-scope", "suffix"])
     assert (given.eval_top_p, given.wandb_dir, given.nav_scope) == (0.5, Path("w"), "suffix")
 
@@ -363,15 +423,14 @@ def _flag_fields(cls: type, prefix: str = ""):
         spec = flag_spec(cls, f.name)
         if spec is not None:
             yield prefix + f.name, spec.names[0]
-        for part in _part_types(hints[f.name]):
+        for part in part_types(hints[f.name]):
             if part is not cls:
                 yield from _flag_fields(part, prefix + f.name + ".")
 
 
 def test_every_flag_a_field_carries_is_a_flag_of_the_parser_and_names_its_errors():
-    from megamu.arguments.generated import ALGO_FLAGS
-
-    found = dict(_flag_fields(RunConfig)) | {f"algo.{n}": s.names[0] for n, s in ALGO_FLAGS.items()}
+    found = dict(_flag_fields(RunConfig))
+    assert found["algo.veto_threshold"] == "--nav-threshold"  # AlgoConfig's fields carry theirs like every part
     assert found["plan.max_policy_lag"] == "--max-policy-lag"  # the plan's union: AsyncPlan's fields are walked too
     assert found["policy.checkpoint.keep"] == "--keep-checkpoints" and len(found) >= 40
     known = {s for a in build_parser()._actions for s in a.option_strings}

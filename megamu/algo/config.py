@@ -4,7 +4,7 @@ Built by ``AlgoConfig.preset(name, **overrides)`` from the paper's presets (mega
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -12,6 +12,7 @@ from megamu.algo.dapo import FILTER_METRICS
 from megamu.algo.kl import KL_TYPES
 from megamu.algo.presets import PRESETS
 from megamu.algo.veto import VETO_SCOPES
+from megamu.config_fields import derived, flag
 from megamu.errors import ConfigError
 
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
@@ -40,25 +41,59 @@ class AlgoConfig:
     ``name`` is one of the presets' and the rule's own settings have no defaults: ``AlgoConfig.preset`` is the way to
     build one, so a config named for a method is that method (plus the overrides it states)."""
 
-    name: str = field(kw_only=False)
-    clip_low: float
-    clip_high: float | None
-    veto_threshold: float | None
-    veto_scope: str
-    aggregation: str
-    m2po_threshold: float | None
-    clip_ratio_c: float | None = None
-    use_kl_loss: bool = False
-    kl_coef: float = 0.0
-    kl_type: str = "k1"  # slime's default for --kl-loss-type
-    entropy_coef: float = 0.0
-    overlong_buffer: int | None = None
-    overlong_penalty_factor: float = 1.0
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 10
-    filter_metric: str = "seq_reward"
-    sampling_round_prompts: int | None = None
-    fill_short_stage: bool = False
+    # The flags override the preset (a flag left out: None, the preset's value): slime's and verl's names where they
+    # have the setting (verl's in the comments), megamu's where they do not.
+    # --algorithm picks the preset the flags below override (written out in megamu.arguments: its default follows
+    # from slime's flags)
+    name: str = derived("--algorithm", default=MISSING, kw_only=False)
+    # the ratio's range [1 - clip_low, 1 + clip_high]; slime's --eps-clip / --eps-clip-high set them with slime's
+    # meaning (megamu.arguments.slime: --eps-clip alone sets both, and a launch without --algorithm runs slime's GRPO)
+    clip_low: float = flag("--clip-low", flag_default=None, type=float)
+    clip_high: float | None = flag("--clip-high", flag_default=None, type=float)
+    # τ, the paper's threshold of the negative-advantage veto (NAV, §3.3): the flag says which feature, the field which
+    # quantity; both names are kept (launch scripts and the loss code use them)
+    veto_threshold: float | None = flag("--nav-threshold", flag_default=None, type=float,
+                                        help="τ of the negative-advantage veto")
+    veto_scope: str = flag("--nav-scope", flag_default=None, choices=VETO_SCOPES)  # the veto's scope (App. C.2)
+    aggregation: str = flag("--loss-aggregation", flag_default=None, choices=AGGREGATIONS)  # verl's loss_agg_mode
+    m2po_threshold: float | None = flag("--m2po-threshold", flag_default=None, type=float)
+    # dual-clip PPO's bound c (verl: actor.clip_ratio_c; slime: --eps-clip-c)
+    clip_ratio_c: float | None = flag("--clip-ratio-c", "--eps-clip-c", default=None, flag_default=None, type=float,
+                                      help="dual-clip: an A < 0 token's loss is at most c x |A| (c > 1; default off)")
+    # slime's names (verl: actor.use_kl_loss, kl_loss_coef, kl_loss_type, entropy_coeff)
+    use_kl_loss: bool = flag("--use-kl-loss", default=False, flag_default=None, action="store_true", help=(
+        "a KL term against a frozen reference policy (--ref-load's weights, else the initial ones), scaled by "
+        "--kl-loss-coef"))
+    kl_coef: float = flag("--kl-loss-coef", default=0.0, flag_default=None, type=float,
+                          help="coefficient of the KL term (0: no reference model is built)")
+    kl_type: str = flag("--kl-loss-type", default="k1", flag_default=None, choices=KL_TYPES,  # slime's default
+                        help="KL estimator (low_var_kl: k3 clamped to [-10, 10])")
+    entropy_coef: float = flag("--entropy-coef", default=0.0, flag_default=None, type=float,
+                               help="coefficient of the entropy bonus (loss -= coef x entropy)")
+    # DAPO's (verl: reward_model.overlong_buffer.len / penalty_factor, algorithm.filter_groups, max_num_gen_batches)
+    overlong_buffer: int | None = flag("--overlong-buffer-len", default=None, flag_default=None, type=int, help=(
+        "DAPO's soft overlong punishment: replies within this many tokens of --rollout-max-response-len lose reward "
+        "linearly, down to -factor (0: off, verl's overlong_buffer.enable=False)"))
+    overlong_penalty_factor: float = flag("--overlong-penalty-factor", default=1.0, flag_default=None, type=float)
+    dynamic_sampling: bool = flag("--dynamic-sampling", default=False, flag_default=None, action="optional_bool",
+                                  help="DAPO's dynamic sampling: drop groups whose rewards are all equal and refill "
+                                       "the stage with new prompts' groups")
+    max_sampling_rounds: int = flag("--max-sampling-rounds", default=10, flag_default=None, type=int, help=(
+        "generation rounds per stage with --dynamic-sampling (the first included; 0: no limit); short of groups "
+        "after them, the run stops as verl's does, or with --fill-short-stage the stage keeps dropped ones (its "
+        "record says how many)"))
+    filter_metric: str = flag("--filter-groups-metric", default="seq_reward", flag_default=None,
+                              choices=FILTER_METRICS, help=(
+                                  "what --dynamic-sampling compares within a group (verl's "
+                                  "algorithm.filter_groups.metric): acc, the reward function's own score; seq_reward, "
+                                  "the reward trained on (with the overlong penalty)"))
+    sampling_round_prompts: int | None = flag("--prompts-per-sampling-round", default=None, flag_default=None,
+                                              type=int, help=(
+        "prompts generated per dynamic-sampling round (verl's data.gen_batch_size; default: the stage's B_train); "
+        "the stage keeps the first B_train informative groups"))
+    fill_short_stage: bool = flag("--fill-short-stage", default=False, flag_default=None, action="store_true",
+                                  help="a stage still short of informative groups after --max-sampling-rounds is "
+                                       "filled with equal-valued groups (verl: an error)")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> AlgoConfig:

@@ -9,27 +9,15 @@ import argparse
 import os
 from pathlib import Path
 
-from megamu.algo import AGGREGATIONS, ALGORITHM_PRESETS, KL_TYPES, VETO_SCOPES, AlgoConfig
-from megamu.algo.dapo import FILTER_METRICS
+from megamu.algo import ALGORITHM_PRESETS, AlgoConfig
 from megamu.arguments.defaults import announcements, gpus_per_node, resolve_defaults, servers_note, world_size
-from megamu.arguments.engine import (  # noqa: F401  (tools/evaluate.py takes the engine and reward flags from here)
-    FLAG_OF_PATH,
-    _config,
-    _default,
-    _error,
-    add_engine_arguments,
-    add_reward_arguments,
-    answer_key,
-    engine_config,
-    engine_flags,
-    flag_of,
-    flag_or_path,
-    reward_config,
-)
+from megamu.arguments.engine import add_engine_arguments, engine_config, engine_flags  # noqa: F401 (tools/evaluate.py)
 from megamu.arguments.evaluation import add_evaluation_arguments, eval_sets, evaluation_config, tracker_config
-from megamu.arguments.generated import ALGO_FLAGS, add_fields, field_values
+from megamu.arguments.flag_errors import build_config, flag_error, flag_of, flag_or_path  # noqa: F401 (tests)
+from megamu.arguments.generated import add_fields, field_values
 from megamu.arguments.megatron import add_megatron_arguments, check_megatron_arguments, optimizer_offload_note
 from megamu.arguments.model_args import add_model_arguments, check_model_arguments, resolve_hf_checkpoint
+from megamu.arguments.reward import add_reward_arguments, answer_key, reward_config  # noqa: F401 (tools/evaluate.py)
 from megamu.arguments.sglang_flags import forward_sglang_flags
 from megamu.arguments.slime import (
     add_slime_arguments,
@@ -55,10 +43,12 @@ from megamu.training.policy import CheckpointConfig, PolicyConfig
 BUILTIN_DATA = "builtin:addition"  # the demo task: seeded two-digit additions, generated in-process
 
 
-# Most flags are generated from the config tree (fields made with megamu.config_fields.flag; AlgoConfig's attached in
-# generated.ALGO_FLAGS), group by group in the order --help shows. Written out here: flags that are not one field each
-# (the stage counts, --prompt-data, --answer-key, --behaviour-logprobs, ...) and the Megatron-LM compatibility flags
-# (megatron.py). The engine's and the reward's groups are added by engine.py (tools/evaluate.py shares them).
+# The flags are generated from the config tree (fields made with megamu.config_fields.flag), group by group in the
+# order --help shows. Written out (here and in megatron.py, model_args.py, slime.py, evaluation.py): only flags whose
+# value is not a field's value, which parse_args converts (the fields they set say so: config_fields.derived): a list
+# of files, a preset or mode that picks a whole part, slime's and Megatron-LM's spellings of other settings, and the
+# model flags checked against --hf-checkpoint. The engine's and the reward's groups are added by engine.py and
+# reward.py (tools/evaluate.py shares them).
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_mu_grpo.py", description=__doc__, allow_abbrev=False)
     g = p.add_argument_group("model and parallelism (Megatron names)")
@@ -86,30 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", default=BUILTIN_DATA, help="FILE[,FILE...] jsonl/parquet, or builtin:addition")
-    add_fields(g, PromptsConfig, ["prompt_key"])
-    g.add_argument("--answer-key", "--label-key", dest="answer_key", default=None,
-                   help="the answer's column, a dotted key reaching into a struct (slime's --label-key; default: "
-                        "'answer', or 'tests' with --reward code; verl's reward_model.ground_truth when absent)")
-    add_fields(g, PromptsConfig, ["chat_template", "instruction", "max_prompt_length", "skip_bad_rows"])
+    add_fields(g, PromptsConfig, ["prompt_key", "answer_key", "chat_template", "instruction", "max_prompt_length",
+                                  "skip_bad_rows"])
     add_reward_arguments(p)
 
     g = p.add_argument_group("μ-GRPO stages")
-    g.add_argument("--num-stages", type=int, default=None, help="default 2 (or --train-iters / μ)")
-    g.add_argument("--train-iters", type=int, default=None,
-                   help="optimiser updates of the run (Megatron's name): async mode's run length; staged modes take "
-                        "it instead of --num-stages, as num_stages x μ")
+    add_fields(g, StagedPlan, ["num_stages"])
+    add_fields(g, AsyncPlan, ["train_iters"])
     g.add_argument("--prompts-per-stage", type=int, default=None, help="B_train: prompt groups per rollout stage")
-    g.add_argument("--prompts-per-update", type=int, default=None, help="B_mini: prompt groups per optimiser update")
-    g.add_argument("--mu", type=int, default=None, help="updates per stage, μ = B_train / B_mini")
+    add_fields(g, StagedPlan, ["prompts_per_update", "mu"])
     g.add_argument("--rollout-batch-size", type=int, default=None,
                    help="slime's name for --prompts-per-stage: prompts per rollout (x G samples)")
     add_fields(g, StagedPlan, ["n_samples_per_prompt"])
     g.add_argument("--algorithm", choices=sorted(ALGORITHM_PRESETS), default=None,
                    help=f"default {DEFAULT_ALGORITHM}; grpo for a launch giving slime's --advantage-estimator or "
                         "--eps-clip without it (slime's GRPO)")
-    add_fields(g, AlgoConfig, attached=ALGO_FLAGS,
-               choices={"veto_scope": VETO_SCOPES, "aggregation": AGGREGATIONS, "kl_type": KL_TYPES,
-                        "filter_metric": FILTER_METRICS})
+    add_fields(g, AlgoConfig, ["clip_low", "clip_high", "veto_threshold", "veto_scope", "m2po_threshold",
+                               "aggregation", "use_kl_loss", "kl_coef", "kl_type", "entropy_coef", "overlong_buffer",
+                               "overlong_penalty_factor", "dynamic_sampling", "max_sampling_rounds", "filter_metric",
+                               "sampling_round_prompts", "fill_short_stage", "clip_ratio_c"])
     g.add_argument("--behaviour-logprobs", choices=["engine", "recompute"], default="engine")
     add_fields(g, PolicyConfig, ["skip_zero_advantage"])
 
@@ -141,33 +126,33 @@ def plan_of(args: argparse.Namespace) -> Plan:
     --train-iters); async mode takes --train-iters, N and K."""
     if args.rollout_batch_size is not None:  # slime's flag, megamu's --prompts-per-stage
         if args.prompts_per_stage not in (None, args.rollout_batch_size):
-            _error("--rollout-batch-size", f"{args.rollout_batch_size} contradicts --prompts-per-stage "
-                                           f"{args.prompts_per_stage} (the same quantity: give one)")
+            flag_error("--rollout-batch-size", f"{args.rollout_batch_size} contradicts --prompts-per-stage "
+                                               f"{args.prompts_per_stage} (the same quantity: give one)")
         args.prompts_per_stage = args.rollout_batch_size
     if args.global_batch_size is not None and args.prompts_per_update is None:  # Megatron's: samples per update
         if args.global_batch_size % args.n_samples_per_prompt:
-            _error("--global-batch-size", f"{args.global_batch_size} samples is not a whole number of groups of "
-                                          f"--n-samples-per-prompt {args.n_samples_per_prompt}")
+            flag_error("--global-batch-size", f"{args.global_batch_size} samples is not a whole number of groups of "
+                                              f"--n-samples-per-prompt {args.n_samples_per_prompt}")
         args.prompts_per_update = args.global_batch_size // args.n_samples_per_prompt
     if plan_type(args.rollout_mode) is AsyncPlan:  # async: updates on a stream, no stages
         if args.prompts_per_stage is not None:
-            _error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give --train-iters "
-                                          "and --prompts-per-update")
+            flag_error("--prompts-per-stage", "has no meaning with --rollout-mode async (no stages): give "
+                                              "--train-iters and --prompts-per-update")
         for flag, value in (("--num-stages", args.num_stages), ("--mu", args.mu)):
             if value is not None:
-                _error(flag, "has no meaning in async mode")
+                flag_error(flag, "has no meaning in async mode")
         if args.train_iters is None:
-            _error("--train-iters", "required in async mode")
-        return _config(AsyncPlan, at="plan", prompts_per_update=args.prompts_per_update or 4,
-                       n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
-                       train_iters=args.train_iters,
-                       weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
-    num_stages, b_mini, mu = _config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
-                                     prompts_per_update=args.prompts_per_update, mu=args.mu,
-                                     num_stages=args.num_stages, train_iters=args.train_iters)
-    return _config(StagedPlan, at="plan", prompts_per_update=b_mini, n_samples_per_prompt=args.n_samples_per_prompt,
-                   max_response_len=args.rollout_max_response_len, rollout_mode=args.rollout_mode,
-                   num_stages=num_stages, mu=mu)
+            flag_error("--train-iters", "required in async mode")
+        return build_config(AsyncPlan, at="plan", prompts_per_update=args.prompts_per_update or 4,
+                            n_samples_per_prompt=args.n_samples_per_prompt,
+                            max_response_len=args.rollout_max_response_len, train_iters=args.train_iters,
+                            weight_sync_interval=args.weight_sync_interval, max_policy_lag=args.max_policy_lag)
+    num_stages, b_mini, mu = build_config(stage_counts, at="plan", prompts_per_stage=args.prompts_per_stage,
+                                          prompts_per_update=args.prompts_per_update, mu=args.mu,
+                                          num_stages=args.num_stages, train_iters=args.train_iters)
+    return build_config(StagedPlan, at="plan", prompts_per_update=b_mini,
+                        n_samples_per_prompt=args.n_samples_per_prompt, max_response_len=args.rollout_max_response_len,
+                        rollout_mode=args.rollout_mode, num_stages=num_stages, mu=mu)
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -182,7 +167,7 @@ def check_paths(args: argparse.Namespace) -> None:
     missing += start_point_errors(args)
     for flag, message in missing:
         if not args.dry_run:
-            _error(flag, message)
+            flag_error(flag, message)
         print(f"warning: {flag}: {message} (ignored by --dry-run)", flush=True)
     if args.dry_run:
         check_first_rows(args)
@@ -198,7 +183,7 @@ def check_first_rows(args: argparse.Namespace, rows: int = 8) -> None:
     for flag, paths in files.items():
         errors = first_rows_errors([f for f in paths if os.path.exists(f)], args.prompt_key, answer_key(args), rows)
         if errors:
-            _error(flag, f"the first {rows} rows of each file: " + "; ".join(errors[:5]) + (
+            flag_error(flag, f"the first {rows} rows of each file: " + "; ".join(errors[:5]) + (
                 f"; ... and {len(errors) - 5} more" if len(errors) > 5 else ""))
 
 
@@ -221,8 +206,8 @@ def model_context(args: argparse.Namespace, config: dict | None) -> int | None:
     """The model's context (max_position_embeddings); a reply as long as it leaves no room for any prompt."""
     context = (config or {}).get("max_position_embeddings")
     if context and args.rollout_max_response_len >= context:
-        _error("--rollout-max-response-len", f"{args.rollout_max_response_len} leaves no room for a prompt in the "
-               f"model's context of {context} (max_position_embeddings of --hf-checkpoint)")
+        flag_error("--rollout-max-response-len", f"{args.rollout_max_response_len} leaves no room for a prompt in the "
+                   f"model's context of {context} (max_position_embeddings of --hf-checkpoint)")
     return context
 
 
@@ -232,27 +217,28 @@ def check_device(args: argparse.Namespace, device: Device) -> None:
         message = ("needs a GPU: the CPU optimiser keeps no fp32 master weights, so CPU runs train in fp32 "
                    "(drop --bf16 here)")
         if not args.dry_run:
-            _error("--bf16", message)
+            flag_error("--bf16", message)
         if not getattr(args, "bf16_by_default", False):  # a slime launch's bf16: said by its note
             print(f"warning: --bf16: {message} (ignored by --dry-run: the plan is for a GPU machine)", flush=True)
     if args.transformer_impl == "transformer_engine" and not device.is_cuda and not args.dry_run:
-        _error("--transformer-impl", "transformer_engine needs a GPU; use local on CPU")
+        flag_error("--transformer-impl", "transformer_engine needs a GPU; use local on CPU")
 
 
 def check_inputs(args: argparse.Namespace, device: Device) -> None:
     """What no single config can see: the launcher's world size, the reward flags, the input paths and the device."""
     world = world_size(args)
     if args.tensor_model_parallel_size > 0 and world % args.tensor_model_parallel_size:
-        _error("--tensor-model-parallel-size", f"{args.tensor_model_parallel_size} does not divide world size {world}")
+        flag_error("--tensor-model-parallel-size",
+                   f"{args.tensor_model_parallel_size} does not divide world size {world}")
     # megatron-core's expert groups (parallel_state.py:786-795): ETP x EP x expert-DP = the world, ETP = TP unless given
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     experts = etp * args.expert_model_parallel_size
     if experts > 0 and world % experts:
         flag = "--expert-tensor-parallel-size" if args.expert_tensor_parallel_size else "--expert-model-parallel-size"
-        _error(flag, f"ETP x EP = {etp} x {args.expert_model_parallel_size} = {experts} does not divide world size "
-                     f"{world}" + ("" if args.expert_tensor_parallel_size else
-                                   f" (ETP is --tensor-model-parallel-size {etp} unless "
-                                   "--expert-tensor-parallel-size gives the experts their own)"))
+        flag_error(flag, f"ETP x EP = {etp} x {args.expert_model_parallel_size} = {experts} does not divide world size "
+                         f"{world}" + ("" if args.expert_tensor_parallel_size else
+                                       f" (ETP is --tensor-model-parallel-size {etp} unless "
+                                       "--expert-tensor-parallel-size gives the experts their own)"))
     reward_config(args)  # its errors before any path check
     check_paths(args)
     check_device(args, device)
@@ -270,7 +256,7 @@ def check_memory(plan, argv: list[str] | tuple[str, ...] = ()) -> None:
         plan.check()
     except ConfigError as e:
         if e.field != "gpu_memory_gib":
-            _config(plan.check, at="memory")
+            build_config(plan.check, at="memory")
         written = {field: slime for field, slime in SLIME_MEMORY_FLAGS.items()
                    if any(a == slime or a.startswith(slime + "=") for a in argv)}
 
@@ -280,7 +266,7 @@ def check_memory(plan, argv: list[str] | tuple[str, ...] = ()) -> None:
 
         remedies = [" ".join(flag(field, value) for field, value in changes) for changes in fix_sets(plan.config)]
         tail = f" Any one of these fits: {'; '.join(remedies)}" if remedies else ""
-        _error(flag_or_path("memory." + e.field), e.message + "." + tail)
+        flag_error(flag_or_path("memory." + e.field), e.message + "." + tail)
 
 
 def parse_args(argv: list[str] | None = None, device: Device | None = None) -> RunConfig:
@@ -300,33 +286,33 @@ def parse_args(argv: list[str] | None = None, device: Device | None = None) -> R
     check_megatron_arguments(args, plan.prompts_per_update)
     notes += convert_intervals(args, 1 if plan.mode.streams else plan.mu, plan.mode.streams)
     dynamic_micro_batch(args, plan.prompts_per_update * plan.n_samples_per_prompt)
-    algo = _config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
-                   **field_values(AlgoConfig, args, attached=ALGO_FLAGS))
+    algo = build_config(AlgoConfig.preset(args.algorithm).with_overrides, at="algo",
+                        **field_values(AlgoConfig, args))
     # the values the run stores once (seed, G, response bound, temperature, device, run directory) and what follows
     # from the run (lr_decay_iters, B_train, the built-in rows, ...) are passed down by RunConfig.derive
-    optimizer = _config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))
-    moe = _config(MoeSettings, at="policy.moe", **field_values(MoeSettings, args))
+    optimizer = build_config(OptimizerConfig, at="policy.optimizer", **field_values(OptimizerConfig, args))
+    moe = build_config(MoeSettings, at="policy.moe", **field_values(MoeSettings, args))
     if (args.transformer_impl or device.transformer_impl) == "local" and not args.dry_run:
         notes += moe.cpu_fallbacks()
-    policy = _config(
+    policy = build_config(
         PolicyConfig, at="policy", **field_values(PolicyConfig, args), optimizer=optimizer, moe=moe,
-        checkpoint=_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
-    rollout = _config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
+        checkpoint=build_config(CheckpointConfig, at="policy.checkpoint", **field_values(CheckpointConfig, args)))
+    rollout = build_config(RolloutConfig, at="rollout", **field_values(RolloutConfig, args), reward=reward_config(args))
     async_ = None
     if plan.mode.streams:
-        async_ = _config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
+        async_ = build_config(AsyncConfig, at="async_", **field_values(AsyncConfig, args))
     model_context(args, config)
-    prompts = _config(
+    prompts = build_config(
         PromptsConfig, at="prompts",
         files=() if args.prompt_data == BUILTIN_DATA else tuple(args.prompt_data.split(",")),
-        **field_values(PromptsConfig, args), answer_key=args.answer_key, eval_sets=eval_sets(args))
-    run = _config(
+        **field_values(PromptsConfig, args), eval_sets=eval_sets(args))
+    run = build_config(
         RunConfig, plan=plan, algo=algo, device=device, policy=policy, engine=engine_flags(args), rollout=rollout,
         async_=async_, prompts=prompts, **field_values(RunConfig, args),
         recompute_behaviour_logprobs=args.behaviour_logprobs == "recompute",
         evaluation=evaluation_config(args), tracker=tracker_config(args), world_size=world_size(args),
         ranks_per_node=gpus_per_node(args))
-    _config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
+    build_config(lambda: run.memory, at="memory")  # the memory plan's inputs checked now (computed from the run)
     notes += optimizer_offload_note(args, run.memory)
     if os.environ.get("RANK", "0") == "0":
         for line in notes + servers_note(run, args.sglang_num_servers) + announcements(run, args.interval_unit):

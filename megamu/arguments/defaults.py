@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megamu.arguments.engine import _error
+from megamu.arguments.flag_errors import flag_error
 from megamu.mode import DEFAULT_MODE
 from megamu.runtime.device import Device
 
@@ -23,8 +23,8 @@ def world_size(args: argparse.Namespace) -> int:
         return actors
     world = int(os.environ["WORLD_SIZE"])
     if given and actors != world:
-        _error("--actor-num-nodes/--actor-num-gpus-per-node", f"{args.actor_num_nodes or 1} x "
-               f"{args.actor_num_gpus_per_node or 1} = {actors} GPUs contradicts torchrun's world of {world}")
+        flag_error("--actor-num-nodes/--actor-num-gpus-per-node", f"{args.actor_num_nodes or 1} x "
+                   f"{args.actor_num_gpus_per_node or 1} = {actors} GPUs contradicts torchrun's world of {world}")
     return world
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megamu.arguments.engine import _config, _error
+from megamu.arguments.flag_errors import build_config, flag_error
 from megamu.arguments.generated import add_fields, field_values
 from megamu.config.loop_config import EvalConfig
 from megamu.data.stage_prompts import PromptsConfig
@@ -27,17 +27,17 @@ def eval_sets(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """--eval-prompt-data NAME PATH pairs; names unique and not the split-off set's."""
     items = args.eval_prompt_data
     if len(items) % 2:
-        _error("--eval-prompt-data", f"expected NAME PATH pairs, got {len(items)} words: {' '.join(items)}")
+        flag_error("--eval-prompt-data", f"expected NAME PATH pairs, got {len(items)} words: {' '.join(items)}")
     pairs = tuple(zip(items[::2], items[1::2]))
     names = [n for n, _ in pairs]
     for name in names:
         if names.count(name) > 1 or name == "held-out":
-            _error("--eval-prompt-data", f"set name {name!r} is used twice or is the split-off set's ('held-out')")
+            flag_error("--eval-prompt-data", f"set name {name!r} is used twice or is the split-off set's ('held-out')")
     return pairs
 
 
 def evaluation_config(args: argparse.Namespace) -> EvalConfig:
-    return _config(EvalConfig, at="evaluation", **field_values(EvalConfig, args))
+    return build_config(EvalConfig, at="evaluation", **field_values(EvalConfig, args))
 
 
 def tracker_config(args: argparse.Namespace) -> TrackerConfig:
@@ -46,5 +46,5 @@ def tracker_config(args: argparse.Namespace) -> TrackerConfig:
     try:
         import wandb  # noqa: F401
     except ImportError:
-        _error("--use-wandb", "wandb is not installed here: pip install wandb")
-    return _config(TrackerConfig, at="tracker", **field_values(TrackerConfig, args))
+        flag_error("--use-wandb", "wandb is not installed here: pip install wandb")
+    return build_config(TrackerConfig, at="tracker", **field_values(TrackerConfig, args))

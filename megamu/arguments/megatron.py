@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from megamu.arguments.engine import _error
+from megamu.arguments.flag_errors import flag_error
 
 # megatron-core's hybrid device optimizer (optimizer/__init__.py:306-336: Adam on the host with optimizer_cpu_offload)
 # and its companions, as slime's run-qwen3-30B-A3B.sh passes them: accepted, not applied (optimizer_offload_note)
@@ -38,14 +38,15 @@ def check_megatron_arguments(args: argparse.Namespace, prompts_per_update: int) 
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
                         ("--context-parallel-size", args.context_parallel_size)):
         if value != 1:
-            _error(flag, f"megamu runs {flag[2:].replace('-', ' ')} 1 only, got {value}: use "
-                         "--tensor-model-parallel-size (and --expert-model-parallel-size for MoE) to split the model")
+            flag_error(flag, f"megamu runs {flag[2:].replace('-', ' ')} 1 only, got {value}: use "
+                             "--tensor-model-parallel-size (and --expert-model-parallel-size for MoE) to split the "
+                             "model")
     samples = prompts_per_update * args.n_samples_per_prompt
     if args.global_batch_size is not None and args.global_batch_size != samples:
-        _error("--global-batch-size", f"{args.global_batch_size} samples per update contradicts "
-                                      f"--prompts-per-update {prompts_per_update} x --n-samples-per-prompt "
-                                      f"{args.n_samples_per_prompt} = {samples} (give --prompts-per-update "
-                                      f"{args.global_batch_size // max(args.n_samples_per_prompt, 1)} or drop it)")
+        flag_error("--global-batch-size", f"{args.global_batch_size} samples per update contradicts "
+                                          f"--prompts-per-update {prompts_per_update} x --n-samples-per-prompt "
+                                          f"{args.n_samples_per_prompt} = {samples} (give --prompts-per-update "
+                                          f"{args.global_batch_size // max(args.n_samples_per_prompt, 1)} or drop it)")
 
 
 def optimizer_offload_note(args: argparse.Namespace, memory) -> list[str]:

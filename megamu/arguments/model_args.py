@@ -21,7 +21,7 @@ import os
 import types
 from dataclasses import dataclass
 
-from megamu.arguments.engine import _error
+from megamu.arguments.flag_errors import flag_error
 from megamu.model import ModelArch
 from megamu.training.megatron_schema import megatron_model_args
 
@@ -137,7 +137,7 @@ def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> N
     for flag, value in given.items():
         if flag in ONLY_VALUE and not _same(value, ONLY_VALUE[flag][0]):
             supported, why = ONLY_VALUE[flag]
-            _error(flag, f"{value} is not supported: {why} (give {supported} or drop the flag)")
+            flag_error(flag, f"{value} is not supported: {why} (give {supported} or drop the flag)")
     if not given and args.seq_length is None and not moe_given:
         return
     if hf_config is None:
@@ -147,7 +147,7 @@ def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> N
     try:
         arch = ModelArch.from_hf(types.SimpleNamespace(**hf_config))
     except (ValueError, KeyError) as e:
-        _error("--hf-checkpoint", f"the model flags cannot be checked against this config: {e}")
+        flag_error("--hf-checkpoint", f"the model flags cannot be checked against this config: {e}")
     expected = megatron_model_args(arch)
     where = f"--hf-checkpoint {args.hf_checkpoint}'s config.json"
     describes_model = any(flag in given for flag in SHAPE_FLAGS)
@@ -164,12 +164,12 @@ def check_model_arguments(args: argparse.Namespace, hf_config: dict | None) -> N
         if not _same(stated, want):
             reading = f" (Megatron-LM then builds {f.key}={stated})" if shown in (True, "absent") else ""
             hf = f"{f.hf} = {hf_config[f.hf]}" if f.hf in hf_config else f"{f.hf}, i.e. {f.key}={want}"
-            _error(f.flag, f"{'given' if shown is True else shown}{reading} contradicts {where}: {hf}")
+            flag_error(f.flag, f"{'given' if shown is True else shown}{reading} contradicts {where}: {hf}")
     if arch.num_experts:  # a dense model has no router and no MoE layers: Megatron-LM ignores both flags there
         _check_moe_layout(args, arch, where)
     if args.seq_length is not None and args.seq_length > arch.max_position_embeddings:
-        _error("--seq-length", f"{args.seq_length} exceeds {where}: max_position_embeddings="
-                               f"{arch.max_position_embeddings}")
+        flag_error("--seq-length", f"{args.seq_length} exceeds {where}: max_position_embeddings="
+                                   f"{arch.max_position_embeddings}")
 
 
 def resolve_hf_checkpoint(args: argparse.Namespace) -> None:
@@ -189,7 +189,7 @@ def resolve_hf_checkpoint(args: argparse.Namespace) -> None:
         message = (f"{name} is neither a folder here nor in the local HF cache (megamu does not download): fetch it "
                    f"first, e.g. `huggingface-cli download {name}`, or give the model's folder")
         if not args.dry_run:
-            _error("--hf-checkpoint", message)
+            flag_error("--hf-checkpoint", message)
         print(f"warning: --hf-checkpoint: {message} (ignored by --dry-run)", flush=True)
 
 
@@ -222,10 +222,10 @@ def moe_layer_pattern(value: str, num_layers: int) -> list[int]:
             return [int(i % n == 0) for i in range(num_layers)]
         pattern = ev(ast.parse(text, mode="eval"))
     except (ValueError, SyntaxError, TypeError):
-        _error("--moe-layer-freq", f"{value!r} is neither an integer N >= 1 nor a list of 0/1 such as '[1,0,1]' or "
-                                   "'([1]*3+[0])*2'")
+        flag_error("--moe-layer-freq", f"{value!r} is neither an integer N >= 1 nor a list of 0/1 such as '[1,0,1]' or "
+                                       "'([1]*3+[0])*2'")
     if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern) or len(pattern) != num_layers:
-        _error("--moe-layer-freq", f"{value!r} must give one 0 or 1 per layer ({num_layers} layers), got {pattern}")
+        flag_error("--moe-layer-freq", f"{value!r} must give one 0 or 1 per layer ({num_layers} layers), got {pattern}")
     return pattern
 
 
@@ -234,11 +234,12 @@ def _check_moe_layout(args: argparse.Namespace, arch: ModelArch, where: str) -> 
     (transformers' Qwen3MoeSparseMoeBlock) and has every layer sparse (decoder_sparse_step 1, no mlp_only_layers:
     ModelArch refuses other configs)."""
     if args.moe_router_score_function not in (None, "softmax"):
-        _error("--moe-router-score-function", f"{args.moe_router_score_function} contradicts {where}: model_type "
-                                              f"{arch.family} routes with a softmax (give softmax or drop the flag)")
+        flag_error("--moe-router-score-function", f"{args.moe_router_score_function} contradicts {where}: model_type "
+                                                  f"{arch.family} routes with a softmax (give softmax or drop the "
+                                                  "flag)")
     if args.moe_layer_freq is not None:
         pattern = moe_layer_pattern(args.moe_layer_freq, arch.num_layers)
         dense = [i for i, x in enumerate(pattern) if not x]
         if dense:
-            _error("--moe-layer-freq", f"{args.moe_layer_freq} makes layers {dense} dense, which contradicts {where}: "
-                                       "every layer is MoE (decoder_sparse_step 1, mlp_only_layers [])")
+            flag_error("--moe-layer-freq", f"{args.moe_layer_freq} makes layers {dense} dense, which contradicts "
+                                           f"{where}: every layer is MoE (decoder_sparse_step 1, mlp_only_layers [])")

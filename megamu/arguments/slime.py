@@ -15,7 +15,7 @@ import argparse
 import shlex
 
 from megamu.algo.presets import PRESETS
-from megamu.arguments.engine import _default, _error
+from megamu.arguments.flag_errors import field_default, flag_error
 from megamu.config.run_config import DEFAULT_ALGORITHM
 from megamu.runtime.device import Device
 from megamu.training.policy import PolicyConfig
@@ -92,7 +92,7 @@ def _set(args: argparse.Namespace, notes: list[str], slime: str, dest: str, valu
     """megamu's ``dest`` takes slime's value unless the launch gave it another one (an error naming both)."""
     current = getattr(args, dest)
     if current not in (default, value):
-        _error(slime, f"contradicts {megamu.split()[0]} {current} (the same setting: give one)")
+        flag_error(slime, f"contradicts {megamu.split()[0]} {current} (the same setting: give one)")
     setattr(args, dest, value)
     notes.append(f"{slime} -> {megamu}")
 
@@ -114,8 +114,8 @@ def translate_slime_arguments(args: argparse.Namespace) -> list[str]:
         words = shlex.split(args.sglang_server_args)
         given = [v for k, v in zip(words, words[1:]) if k == "--mem-fraction-static"]
         if given and float(given[0]) != f:
-            _error("--sglang-mem-fraction-static", f"{f} contradicts --sglang-server-args' --mem-fraction-static "
-                                                   f"{given[0]}")
+            flag_error("--sglang-mem-fraction-static", f"{f} contradicts --sglang-server-args' --mem-fraction-static "
+                                                       f"{given[0]}")
         if not given:
             args.sglang_server_args = " ".join([*words, "--mem-fraction-static", str(f)])
         notes.append(f"--sglang-mem-fraction-static -> --sglang-server-args '--mem-fraction-static {f}'")
@@ -180,7 +180,8 @@ def resolve_precision(args: argparse.Namespace, device: Device) -> list[str]:
     args.fp16``): a slime launch on GPUs, or a dry run planning for them, does too; megamu's own default is fp32, said
     at start for a GPU run. A CPU run trains in fp32 (the CPU optimiser keeps no fp32 master weights)."""
     if args.fp16:
-        _error("--fp16", "megamu trains in bf16 (a slime launch's default on GPUs: drop --fp16) or fp32, never fp16")
+        flag_error("--fp16", "megamu trains in bf16 (a slime launch's default on GPUs: drop --fp16) or fp32, never "
+                             "fp16")
     if args.bf16:
         return []
     if is_slime_launch(args) and (device.is_cuda or args.dry_run):
@@ -196,13 +197,14 @@ def _dynamic_batch(args: argparse.Namespace, notes: list[str]) -> None:
     --micro-batch-size (``add_data_arguments``): megamu's token budget, with no cap on rows (set in
     ``dynamic_micro_batch``, once the update's size is known)."""
     if args.use_dynamic_batch_size != (args.max_tokens_per_gpu is not None):
-        _error("--use-dynamic-batch-size", "slime packs micro-batches to --max-tokens-per-gpu only with "
-                                           "--use-dynamic-batch-size: give both (megamu: --max-tokens-per-micro-batch)")
+        flag_error("--use-dynamic-batch-size", "slime packs micro-batches to --max-tokens-per-gpu only with "
+                                               "--use-dynamic-batch-size: give both (megamu: "
+                                               "--max-tokens-per-micro-batch)")
     if not args.use_dynamic_batch_size:
         return
-    if args.micro_batch_size != _default(PolicyConfig, "micro_batch_size"):
-        _error("--micro-batch-size", "slime ignores it with --use-dynamic-batch-size: drop one (megamu caps a "
-                                     "micro-batch by both with --max-tokens-per-micro-batch)")
+    if args.micro_batch_size != field_default(PolicyConfig, "micro_batch_size"):
+        flag_error("--micro-batch-size", "slime ignores it with --use-dynamic-batch-size: drop one (megamu caps a "
+                                         "micro-batch by both with --max-tokens-per-micro-batch)")
     _set(args, notes, "--max-tokens-per-gpu", "max_tokens_per_micro_batch", args.max_tokens_per_gpu,
          f"--max-tokens-per-micro-batch {args.max_tokens_per_gpu}")
 
@@ -216,35 +218,36 @@ def dynamic_micro_batch(args: argparse.Namespace, samples_per_update: int) -> No
 def _checked_values(args: argparse.Namespace, notes: list[str]) -> None:
     """slime flags accepted at the one value megamu runs, refused otherwise naming megamu's equivalent."""
     if args.optimizer not in (None, "adam"):
-        _error("--optimizer", f"{args.optimizer} is not supported: megamu trains with Adam (decoupled weight decay, "
-                              "Megatron-LM's 'adam'): --adam-beta1/--adam-beta2/--weight-decay set it")
+        flag_error("--optimizer", f"{args.optimizer} is not supported: megamu trains with Adam (decoupled weight "
+                                  "decay, Megatron-LM's 'adam'): --adam-beta1/--adam-beta2/--weight-decay set it")
     if args.advantage_estimator not in (None, "grpo"):
-        _error("--advantage-estimator", f"{args.advantage_estimator} is not supported: megamu's --algorithm presets "
-                                        "(mu-grpo, grpo, grpo-high-staleness, grpo-relaxed, m2po) use GRPO's group "
-                                        "advantages")
+        flag_error("--advantage-estimator", f"{args.advantage_estimator} is not supported: megamu's --algorithm "
+                                            "presets (mu-grpo, grpo, grpo-high-staleness, grpo-relaxed, m2po) use "
+                                            "GRPO's group advantages")
     if args.rm_type is not None:
         if args.rm_type not in RM_TYPES:
-            _error("--rm-type", f"{args.rm_type} has no megamu equivalent (it has {', '.join(RM_TYPES)}): write the "
-                                "reward as a function and pass --custom-rm-path module:function")
+            flag_error("--rm-type", f"{args.rm_type} has no megamu equivalent (it has {', '.join(RM_TYPES)}): write "
+                                    "the reward as a function and pass --custom-rm-path module:function")
         megamu, values = RM_TYPES[args.rm_type]
         if args.reward_fn not in (None, values.get("reward_fn")):
-            _error("--rm-type", f"contradicts --custom-rm-path {args.reward_fn} (give one)")
+            flag_error("--rm-type", f"contradicts --custom-rm-path {args.reward_fn} (give one)")
         for dest, value in values.items():
             setattr(args, dest, value)
         notes.append(f"--rm-type {args.rm_type} -> {megamu}")
     if args.eval_input_key is not None and args.eval_input_key != args.prompt_key:
-        _error("--eval-input-key", f"{args.eval_input_key} differs from --input-key {args.prompt_key}: megamu builds "
-                                   "evaluation prompts exactly as training's (rename the column in the eval set)")
+        flag_error("--eval-input-key", f"{args.eval_input_key} differs from --input-key {args.prompt_key}: megamu "
+                                       "builds evaluation prompts exactly as training's (rename the column in the "
+                                       "eval set)")
     if args.attention_backend not in (None, "flash", "auto"):
-        _error("--attention-backend", f"{args.attention_backend} is not supported: megamu's GPU layers run "
-                                      "Transformer Engine's flash attention (give flash or auto)")
+        flag_error("--attention-backend", f"{args.attention_backend} is not supported: megamu's GPU layers run "
+                                          "Transformer Engine's flash attention (give flash or auto)")
     if args.recompute_method not in (None, "uniform") or (args.recompute_method and
                                                           args.recompute_granularity != "full"):
-        _error("--recompute-method", f"{args.recompute_method}: megamu's --recompute-granularity full is uniform, one "
-                                     "layer per checkpoint (give uniform with --recompute-granularity full)")
+        flag_error("--recompute-method", f"{args.recompute_method}: megamu's --recompute-granularity full is uniform, "
+                                         "one layer per checkpoint (give uniform with --recompute-granularity full)")
     if args.recompute_num_layers not in (None, 1):
-        _error("--recompute-num-layers", f"{args.recompute_num_layers}: megamu checkpoints one layer at a time "
-                                         "(give 1)")
+        flag_error("--recompute-num-layers", f"{args.recompute_num_layers}: megamu checkpoints one layer at a time "
+                                             "(give 1)")
 
 
 def convert_intervals(args: argparse.Namespace, mu: int, is_async: bool) -> list[str]:
@@ -263,15 +266,15 @@ def convert_intervals(args: argparse.Namespace, mu: int, is_async: bool) -> list
         if slime_terms and mu > 1:
             flag, dest = given[0]
             n = getattr(args, dest)
-            _error(flag, f"{n} is ambiguous here: slime counts rollouts, megamu counts optimiser updates "
-                         f"(Megatron-LM's iterations), and each rollout is μ = {mu} updates. Add --interval-unit "
-                         f"rollouts for slime's meaning (every {n} rollouts = {n * mu} updates) or --interval-unit "
-                         f"updates (every {n} updates)")
+            flag_error(flag, f"{n} is ambiguous here: slime counts rollouts, megamu counts optimiser updates "
+                             f"(Megatron-LM's iterations), and each rollout is μ = {mu} updates. Add --interval-unit "
+                             f"rollouts for slime's meaning (every {n} rollouts = {n * mu} updates) or --interval-unit "
+                             f"updates (every {n} updates)")
         return []
     if args.interval_unit == "updates":
         return []
     if is_async:
-        _error("--interval-unit", "rollouts: async mode has no rollouts of a fixed size (give updates)")
+        flag_error("--interval-unit", "rollouts: async mode has no rollouts of a fixed size (give updates)")
     for _, dest in given:
         setattr(args, dest, getattr(args, dest) * mu)
     return [f"{flag} {getattr(args, dest) // mu} rollouts -> {'' if 'warmup' in dest else 'every '}"

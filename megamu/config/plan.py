@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from megamu.algo import AlgoConfig
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.errors import ConfigError, check_positive
 from megamu.mode import DEFAULT_MODE, Mode, mode_of
 
@@ -60,10 +60,11 @@ class PlanBase:
     G and the response bound are the run's, stored here only (RunConfig passes them to the rollout and the prompts);
     ``algorithm`` is the name of the run's AlgoConfig, filled in by RunConfig.derive (the plan's summary prints it)."""
 
-    prompts_per_update: int = 4  # B_mini
+    prompts_per_update: int = flag("--prompts-per-update", default=4, flag_default=None, type=int,
+                                   help="B_mini: prompt groups per optimiser update")
     n_samples_per_prompt: int = flag("--n-samples-per-prompt", default=8, type=int, help="G")
     max_response_len: int = flag("--rollout-max-response-len", default=64, type=int)
-    algorithm: str | None = None  # derived: the run's algo.name
+    algorithm: str | None = derived("algo.name")
 
     def __post_init__(self):
         check_positive(self, "prompts_per_update", "n_samples_per_prompt", "max_response_len")
@@ -100,9 +101,11 @@ class StagedPlan(PlanBase):
     """Staged and colocated modes: ``num_stages`` stages of μ updates on B_train = μ · B_mini prompts each, one
     weight sync per stage. The defaults are the CPU demo's (``stage_counts`` with no count given)."""
 
-    num_stages: int = 2
-    mu: int = 16
-    rollout_mode: str = DEFAULT_MODE.name
+    # the flags' None: worked out from the counts given (any two of B_train, B_mini, μ, the stages: stage_counts)
+    num_stages: int = flag("--num-stages", default=2, flag_default=None, type=int,
+                           help="default 2 (or --train-iters / μ)")
+    mu: int = flag("--mu", default=16, flag_default=None, type=int, help="updates per stage, μ = B_train / B_mini")
+    rollout_mode: str = derived("--rollout-mode", default=DEFAULT_MODE.name)  # the flag also picks the plan
 
     def __post_init__(self):
         super().__post_init__()
@@ -170,13 +173,16 @@ class AsyncPlan(PlanBase):
     """Async mode (§5.1): ``train_iters`` updates on a stream, a weight push every N, samples older than K dropped;
     it has no stages."""
 
-    train_iters: int
+    train_iters: int = flag("--train-iters", flag_default=None, type=int, help=(
+        "optimiser updates of the run (Megatron's name): async mode's run length; staged modes take it instead of "
+        "--num-stages, as num_stages x μ"))
     weight_sync_interval: int = flag("--weight-sync-interval", type=int, default=4,  # N
                                      help="updates between weight pushes to the engine")
     max_policy_lag: int = flag("--max-policy-lag", type=int, default=1024, help=(  # K
         "K: samples generated more than K updates before the update that takes them are dropped (counted, never "
         "trained on); must be >= --weight-sync-interval"))
-    rollout_mode: str = "async"  # the only value; a field so that the plan's dict (checkpoints) names its mode
+    # the only value; a field so that the plan's dict (checkpoints) names its mode
+    rollout_mode: str = derived("--rollout-mode", default="async")
 
     def __post_init__(self):
         super().__post_init__()

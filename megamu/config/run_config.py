@@ -12,7 +12,7 @@ from pathlib import Path
 from megamu.algo import AlgoConfig
 from megamu.config.loop_config import AsyncConfig, EvalConfig
 from megamu.config.plan import Plan, StagedPlan
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.data.stage_prompts import PromptsConfig
 from megamu.engines import EngineConfig
 from megamu.errors import ConfigError, build_at, check_positive
@@ -66,8 +66,8 @@ class RunConfig:
         "rollout are on the CPU and not bound by it"))
     cpu_threads: int | None = None  # derived, CPU async mode: the trainer's torch threads (the engine has the rest)
     log_interval: int = flag("--log-interval", default=1, type=int)
-    recompute_behaviour_logprobs: bool = False
-    async_: AsyncConfig | None = None  # --rollout-mode async only
+    recompute_behaviour_logprobs: bool = derived("--behaviour-logprobs", default=False)  # its "recompute"
+    async_: AsyncConfig | None = derived("--rollout-mode")  # --rollout-mode async only
     dry_run: bool = flag("--dry-run", default=False, action="store_true",
                          help="validate and print the plan; start nothing")
     # The memory plan's own inputs; the plan is computed from the run where it is read (``memory``), not stored.
@@ -80,8 +80,10 @@ class RunConfig:
     host_memory_gib: float | None = flag("--host-memory-gib", default=None, type=float, help=(
         "RAM of one node for the host-memory plan (default on GPU runs: the job's cgroup memory limit when one is set, "
         "else the machine's RAM; a dry run without GPUs plans the host only when given)"))
-    world_size: int | None = None  # derived: the launch's trainer ranks (torchrun's WORLD_SIZE, else 1)
-    ranks_per_node: int | None = None  # derived: trainer ranks per node (torchrun's LOCAL_WORLD_SIZE, else the world)
+    # the launch's trainer ranks (torchrun's WORLD_SIZE, else 1; a dry run: slime's flags)
+    world_size: int | None = derived("--actor-num-nodes/--actor-num-gpus-per-node")
+    # trainer ranks per node (torchrun's LOCAL_WORLD_SIZE, else the world)
+    ranks_per_node: int | None = derived("--actor-num-gpus-per-node")
     evaluation: EvalConfig = EvalConfig()
     tracker: TrackerConfig = TrackerConfig()
 

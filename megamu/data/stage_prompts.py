@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.data.arithmetic import DEMO_FEW_SHOT, DEMO_INSTRUCTION, addition_problems
 from megamu.data.order import epoch_stream
 from megamu.data.prompts import DEFAULT_INSTRUCTION, PromptDataError, PromptRecord, load_prompts
@@ -28,29 +28,36 @@ class PromptsConfig:
     The fields marked "derived" are the run's: None here, RunConfig.derive passes them down (and refuses a copy that
     differs from the run's own); prompts on their own are given them."""
 
-    files: tuple[str, ...] = ()
-    prompts_per_stage: int | None = None  # derived: B_train of a staged plan; None in async mode (no stages)
+    files: tuple[str, ...] = derived("--prompt-data", default=())  # FILE[,FILE...]; none: the built-in task
+    # B_train of a staged plan (μ x B_mini, or the flag's value); None in async mode (no stages)
+    prompts_per_stage: int | None = derived("--prompts-per-stage")
     # prompts kept out of training for the greedy evaluation (at most half the data)
     held_out: int = flag("--eval-prompts", type=int, default=100,
                          help="training prompts held out as the 'held-out' evaluation set (0: none)")
-    seed: int | None = None  # derived: the run's seed
-    data_dir: Path | None = None  # derived: megamu.run.run_dir.RunDir(save).data
-    builtin_rows: int | None = None  # derived without files: enough rows for the run and the held-out split
+    seed: int | None = derived("seed")
+    data_dir: Path | None = derived("policy.checkpoint.save")  # megamu.run.run_dir.RunDir(save).data
+    # without files: enough rows for the run and the held-out split
+    builtin_rows: int | None = derived("--prompt-data")
     prompt_key: str = flag("--prompt-key", "--input-key", default="problem", help=(
         "the problem's column: text, or chat messages (slime's --input-key); verl's 'prompt' messages are read when "
         "this column is absent"))
-    # derived: the key the run's reward reads ("tests" for --reward code, else "answer"); on its own: "answer"
-    answer_key: str | None = None
+    # None: the key the run's reward reads ("tests" for --reward code, else "answer"; RunConfig.derive); on its own:
+    # "answer"
+    answer_key: str | None = flag("--answer-key", "--label-key", default=None, help=(
+        "the answer's column, a dotted key reaching into a struct (slime's --label-key; default: 'answer', or "
+        "'tests' with --reward code; verl's reward_model.ground_truth when absent)"))
     max_prompt_length: int = flag("--max-prompt-length", default=1024, type=int)
     skip_bad_rows: bool = flag("--skip-bad-rows", default=False, action="store_true")
-    context_length: int | None = None  # derived: the model's (max_position_embeddings): prompt + reply must fit it
-    max_response_len: int | None = None  # derived: the run's plan.max_response_len
+    # the model's (max_position_embeddings of --hf-checkpoint's config.json): prompt + reply must fit it
+    context_length: int | None = derived("policy.hf_checkpoint")
+    max_response_len: int | None = derived("plan.max_response_len")
     instruction: str | None = flag("--instruction", default=None, help=(  # None: the paper's; "": none
         "text appended to each text problem (default: the paper's step-by-step \\boxed{} instruction; '' for none); "
         "message rows carry their own"))
     chat_template: bool | None = flag("--apply-chat-template", default=None, action="optional_bool", help=(
         "render prompts through the tokenizer's chat template (default: when it has one)"))
-    eval_sets: tuple[tuple[str, str], ...] = ()  # (name, file) of held-out sets evaluated beside the split-off one
+    # (name, file) of held-out sets evaluated beside the split-off one: the flag's NAME PATH pairs
+    eval_sets: tuple[tuple[str, str], ...] = derived("--eval-prompt-data", default=())
 
     def __post_init__(self):
         check_positive(self, "prompts_per_stage", "max_prompt_length")

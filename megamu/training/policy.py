@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from megamu.algo import AlgoConfig
-from megamu.config_fields import flag
+from megamu.config_fields import derived, flag
 from megamu.convert import export_hf, full_state_dict, load_hf_into_model
 from megamu.convert.checkpoint import DTYPES, training_dtype
 from megamu.convert.mapping import mcore_to_hf_tensors
@@ -75,17 +75,17 @@ class PolicyConfig:
     device: Device | None = None  # derived: the run's device
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # where a CPU offload spills the trainer's state; derived: megamu.run.run_dir.RunDir(save).offload
-    offload_dir: Path | None = None
+    # where a CPU offload spills the trainer's state: megamu.run.run_dir.RunDir(save).offload
+    offload_dir: Path | None = derived("policy.checkpoint.save")
     transformer_impl: str | None = flag("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                                         help="layer implementation (default: transformer_engine on GPU, local on CPU)")
     bf16: bool = flag("--bf16", default=False, action="store_true")
     micro_batch_size: int = flag("--micro-batch-size", default=8, type=int, help="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = flag("--max-tokens-per-micro-batch", default=None, type=int,
                                                   help="token budget of a micro-batch")
-    # log-probs of softmax(logits / T), like the engine's behaviour log-probs; derived: the run's rollout.temperature
-    # (None on its own: T = 1)
-    temperature: float | None = None
+    # log-probs of softmax(logits / T), like the engine's behaviour log-probs; the run's rollout.temperature (None on
+    # its own: T = 1)
+    temperature: float | None = derived("rollout.temperature")
     skip_zero_advantage: bool = flag("--skip-zero-advantage", default=True, action="optional_bool", help=(
         "skip the forward/backward of A = 0 samples (all-equal groups): same update, less compute"))
     # HF exports and in-memory pushes: "bf16" | "fp16" | "fp32"; None: the training's

@@ -25,6 +25,26 @@ from pathlib import Path
 
 from tools.gpu_check_compare import Row, compare_peaks, size
 
+
+def run_world(script_args: list[str], what: str, timeout: int = 300, **env: str) -> str | None:
+    """Run a torchrun world of 2 ranks of its own (``script_args``: the worker and its arguments); None when it
+    exited 0, else why not. This process's own world (gpu_check's, of one) must not leak its rendezvous into it."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    clean.update(env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script_args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean)
+    except subprocess.TimeoutExpired:
+        return f"{what} did not finish in {timeout} s (a rank left waiting in a collective)"
+    if proc.returncode != 0:
+        return f"{what} failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    return None
+
 LOOSE = 2.0  # planned / measured above this: the plan is safe but loose, worth a look
 
 
@@ -177,9 +197,6 @@ def ep_agreement(cuda: bool) -> tuple[bool | None, str]:
     dispatcher through tests/cpu_cuda_shim.py. None (skip) with the reason on a machine with one GPU: EP 1 enters
     no collective, so a pass there would prove nothing."""
     import json
-    import os
-    import subprocess
-    import sys
     import tempfile
 
     import torch
@@ -191,18 +208,10 @@ def ep_agreement(cuda: bool) -> tuple[bool | None, str]:
     with tempfile.TemporaryDirectory(prefix="ep-agree-") as tmp:
         hf, out = Path(tmp) / "hf", Path(tmp) / "rows.json"
         save_tiny_model(hf, "qwen3_moe", 0)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(EP_WORKER), str(hf), str(out)] + ([] if cuda else ["alltoall"])
-        # this process's own world (gpu_check's, of one) must not leak its rendezvous into the new one
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-        env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        except subprocess.TimeoutExpired:
-            return False, "EP 2 world did not finish in 300 s (a rank left waiting in a collective)"
-        if proc.returncode != 0:
-            return False, f"EP 2 world failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+        failed = run_world([str(EP_WORKER), str(hf), str(out)] + ([] if cuda else ["alltoall"]), "EP 2 world",
+                           OMP_NUM_THREADS="1")
+        if failed:
+            return False, failed
         return ep_agree_verdict(json.loads(out.read_text()))
 
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from tools.gpu_check_compare import PROBE_TOLERANCE, compare_bitwise, compare_logprobs, push_verdict, pytest_verdict
+from tools.gpu_check_path import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_CONFIG = REPO / "tests" / "fixtures" / "hf" / "Qwen3-4B" / "config.json"
@@ -108,17 +109,10 @@ def reshard_check(ckpt_dir: Path, hf_dir: Path, want: dict, out: Path) -> tuple[
     full tensors (``megamu.convert.tp.full_state_dict``), compared in fp32 (bf16 -> fp32 is exact)."""
     import torch
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "tools" / "gpu_check_reshard.py"), str(ckpt_dir), str(hf_dir), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    except subprocess.TimeoutExpired:
-        return False, "the TP 2 load did not finish in 300 s"
-    if proc.returncode != 0:
-        return False, f"TP 2 load failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    failed = run_world([str(REPO / "tools" / "gpu_check_reshard.py"), str(ckpt_dir), str(hf_dir), str(out)],
+                       "the TP 2 load", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    if failed:
+        return False, failed
     got = torch.load(out)
     ok, verdict = compare_bitwise({n: t.float().cpu() for n, t in want.items()}, got)
     return ok, f"saved at TP 1, loaded at TP 2: {verdict}"

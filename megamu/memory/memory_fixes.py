@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from megamu.errors import ConfigError
 from megamu.memory.memory_plan import MemoryPlanConfig, plan_memory
-from megamu.mode import mode_of
 
 ROUND_TOKENS = 256  # a suggested token budget is a multiple of this (and at least one row)
 
@@ -58,7 +57,7 @@ def fixes(c: MemoryPlanConfig) -> list[tuple[str, object]]:
         candidates.append(("weight_push", "disk"))
     if not c.offload_train:
         candidates.append(("offload_train", True))
-    if mode_of(c.rollout_mode).shares_trainer_devices and not c.release_during_training:
+    if c.mode.shares_trainer_devices and not c.release_during_training:
         candidates.append(("release_during_training", True))
     if c.tp > 1 and not c.sequence_parallel:
         candidates.append(("sequence_parallel", True))

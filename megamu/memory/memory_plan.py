@@ -49,7 +49,7 @@ from megamu.memory.memory_plan_phases import (
     server_rows,
 )
 from megamu.memory.model_shape import ModelShape, padded_vocab, require_positive
-from megamu.mode import mode_of
+from megamu.mode import DEFAULT_MODE, Mode, mode_of
 
 __all__ = ["CUDA_CONTEXT_GIB", "GIB", "H100_GIB", "H200_GIB", "MemoryPlan", "MemoryPlanConfig", "ModelShape", "Row",
            "padded_vocab", "plan_memory"]
@@ -85,7 +85,7 @@ class MemoryPlanConfig:
     recompute_granularity: str | None = None
     sequence_parallel: bool = False  # megatron's SP: the per-token tensors outside the TP blocks split over tp ranks
     transformer_impl: str = "transformer_engine"  # "local": megamu's CPU layer spec (torch norms, torch SDPA)
-    rollout_mode: str = "staged"
+    rollout_mode: str = DEFAULT_MODE.name
     offload_train: bool = True
     servers_per_gpu: int = 1  # SGLang server ranks on each rollout GPU
     server_tp: int = 1
@@ -132,7 +132,7 @@ class MemoryPlanConfig:
             raise ConfigError("recompute_granularity", f"{self.recompute_granularity!r}: expected one of {RECOMPUTE}")
         if self.transformer_impl not in IMPLS:
             raise ConfigError("transformer_impl", f"{self.transformer_impl!r}: expected one of {IMPLS}")
-        mode = mode_of(self.rollout_mode)  # ConfigError for a name that is no mode
+        mode = self.mode  # ConfigError for a name that is no mode
         m = self.model
         for name in ("num_heads", "num_kv_heads", "ffn_hidden_size"):  # whole KV groups
             if getattr(m, name) % self.tp:
@@ -164,6 +164,11 @@ class MemoryPlanConfig:
         if self.release_during_training and not mode.shares_trainer_devices:
             raise ConfigError("release_during_training", f"only colocated servers share the trainer's GPUs "
                               f"(rollout_mode={self.rollout_mode!r})")
+
+    @property
+    def mode(self) -> Mode:
+        """The run's mode, from the name the plan was given (the config is built from the run's plan)."""
+        return mode_of(self.rollout_mode)
 
     @property
     def expert_tp(self) -> int:
@@ -410,7 +415,7 @@ def plan_memory(c: MemoryPlanConfig) -> MemoryPlan:
 
     resident = sum(b for _, b in state)
     rows = [Row("training", "CUDA context + NCCL (trainer)", ctx)]
-    mode = mode_of(c.rollout_mode)
+    mode = c.mode
     if mode.keeps_engine_up:
         # servers start once, before the first update: the trainer then holds params, grads and main params (Adam
         # moments come with the first step) unless offloaded; later rollouts see the moments as well. They are

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamu.errors import ConfigError
-from megamu.mode import mode_of
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -193,7 +192,7 @@ def plan_host(c, *, n_dense: int, n_expert: int, mirrored: int) -> HostPlan:
     if c.reward_workers:
         rows.append(HostRow(A, f"reward workers ({c.reward_workers} x {REWARD_WORKER_HOST_GIB:g} GiB, estimate)",
                             int(c.reward_workers * REWARD_WORKER_HOST_GIB * GIB)))
-    mode = mode_of(c.rollout_mode)
+    mode = c.mode
     servers = c.servers_per_gpu * r if not mode.streams else 0
     if servers:  # a staged run's servers exit before the trainer updates and saves; colocated ones stay up
         rows.append(HostRow("rollout (servers up)" if mode.restarts_engine else A,

@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, os.environ["FAKE_SGLANG_REPO"])
 
 from megamu.engines.local import LocalEngine  # noqa: E402
-from tests.rollout.schema_server import SchemaServer  # noqa: E402
+from tests.engines.schema_server import SchemaServer  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model-path")

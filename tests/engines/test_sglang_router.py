@@ -1,5 +1,5 @@
 """--sglang-router against the real sglang-router (0.3.2, a test dependency; its Rust gateway runs on CPU), with
-servers megamu launches (the schema server of tests/rollout/fake_sglang): they join the router, every sample goes
+servers megamu launches (the schema server of tests/engines/fake_sglang): they join the router, every sample goes
 through it and comes back as the servers drew it, a weight sync reaches the servers behind it, and they leave it.
 
 What this router took, measured when the test was written: workers join by ``POST /workers`` (202, queued) and leave
@@ -18,8 +18,8 @@ from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine
 from megamu.engines.sglang.nodes import start_sglang
 from megamu.engines.types import GenerateRequest, SamplingParams
-from tests.rollout.schema_server import SchemaServer
-from tests.rollout.test_sglang_health import _config
+from tests.engines.schema_server import SchemaServer
+from tests.engines.test_sglang_health import _config
 from tests.tiny import save_tiny_model
 from tests.torchrun import free_port
 

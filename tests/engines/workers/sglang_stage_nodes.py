@@ -1,5 +1,5 @@
 """One "node" of a two-node staged stage (torchrun --nnodes 2 --nproc_per_node 1, c10d rendezvous): the lifecycle starts
-a fake SGLang server on each node (tests/rollout/fake_sglang), rank 0 writes the stage over both, and each node stops
+a fake SGLang server on each node (tests/engines/fake_sglang), rank 0 writes the stage over both, and each node stops
 its own servers before going on.
 
 argv: model_dir record_dir port_base [kill | colocated model_dir_2 [disk | distributed | tensor]]. With "kill", node
@@ -83,7 +83,7 @@ def main(model_dir: str, record: str, port_base: int, mode: str, model_dir_2: st
     repo = str(Path(__file__).resolve().parents[3])
     cfg = SGLangConfig(server_python=sys.executable, port_base=port_base + 10 * node, startup_timeout_s=120,
                        log_dir=f"{record}/logs{node}", backoff_s=0.05, server_concurrency=1, probe_period_s=0.5,
-                       server_env={"PYTHONPATH": f"{repo}/tests/rollout/fake_sglang", "FAKE_SGLANG_REPO": repo,
+                       server_env={"PYTHONPATH": f"{repo}/tests/engines/fake_sglang", "FAKE_SGLANG_REPO": repo,
                                    "FAKE_SGLANG_RECORD": record, "FAKE_SGLANG_DELAY": "0.2"},
                        weight_sync="disk" if sync == "disk" else "memory",
                        **(dict(shares_trainer_devices=True, sync_backend="nccl") if sync == "tensor" else {}))

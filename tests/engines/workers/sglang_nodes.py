@@ -21,7 +21,7 @@ def main(model_dir: str, record: str, port_base: int) -> None:
     repo = str(Path(__file__).resolve().parents[3])
     cfg = SGLangConfig(server_python=sys.executable, port_base=port_base + 10 * rank, startup_timeout_s=120,
                        log_dir=f"{record}/logs{rank}", backoff_s=0.05,
-                       server_env={"PYTHONPATH": f"{repo}/tests/rollout/fake_sglang", "FAKE_SGLANG_REPO": repo,
+                       server_env={"PYTHONPATH": f"{repo}/tests/engines/fake_sglang", "FAKE_SGLANG_REPO": repo,
                                    "FAKE_SGLANG_RECORD": record})
     dispatcher, node = start_sglang(model_dir, cfg)
     assert node is not None and (dispatcher is not None) == (rank == 0)

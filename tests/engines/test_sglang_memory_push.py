@@ -1,7 +1,7 @@
 """In-memory weight pushes into servers megamu launched, and what a server restarted after one gets back.
 
 Both transports of megamu/engines/sglang/tensor_sync.py run here against the schema server in its own process
-(tests/rollout/fake_sglang), which receives them as SGLang's TP rank 0 does: "distributed" joins the trainer's gloo
+(tests/engines/fake_sglang), which receives them as SGLang's TP rank 0 does: "distributed" joins the trainer's gloo
 broadcast group; "tensor" (the transport of servers on the trainer's GPUs: placement shared, backend nccl) opens the
 handles of CPU tensors in shared memory, as the real CPU server does in test-sglang's test_tensor_push_into_the_server.
 
@@ -18,8 +18,8 @@ import torch
 
 from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine
-from tests.rollout.schema_server import SchemaServer
-from tests.rollout.test_sglang_health import _assert_same_samples, _config, _key, _on_first_shard, _phase
+from tests.engines.schema_server import SchemaServer
+from tests.engines.test_sglang_health import _assert_same_samples, _config, _key, _on_first_shard, _phase
 from tests.tiny import save_tiny_model
 
 TRANSPORTS = {"distributed": {}, "tensor": dict(shares_trainer_devices=True, sync_backend="nccl")}
@@ -90,7 +90,7 @@ def test_a_given_server_declared_dead_is_told_to_abort(tiny_llama, tmp_path):
     requests move to the live server, and it is asked to abort what it still runs (/abort_request)."""
     from megamu.engines.sglang.client import SGLangConfig
     from megamu.engines.types import GenerateRequest, SamplingParams
-    from tests.rollout.test_sglang_health import HEALTH
+    from tests.engines.test_sglang_health import HEALTH
 
     servers = [SchemaServer(LocalEngine(tiny_llama)) for _ in range(2)]
     servers[1].delay_s = 0.2
@@ -124,7 +124,7 @@ def test_the_sync_group_forms_under_torchrun(monkeypatch):
 
     from megamu.engines.sglang.weight_sync import broadcast, open_weight_group
     from megamu.runtime.net import free_port
-    from tests.rollout.test_sglang_health import REPO
+    from tests.engines.test_sglang_health import REPO
 
     port = free_port("127.0.0.1")
     child = subprocess.Popen([sys.executable, "-c", f"""

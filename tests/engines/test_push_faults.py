@@ -1,6 +1,6 @@
 """A colocated baseline that survives one fault (issue 50 item 5): four stages driven as megamu.loop.staged drives
 them (update_weights -> onload -> start -> rollout -> offload) through the real SGLangEngine and ColocatedSGLang
-against a schema server (tests/rollout/schema_server.py) that fails once at refresh K. The pushes take the transport of
+against a schema server (tests/engines/schema_server.py) that fails once at refresh K. The pushes take the transport of
 servers on the trainer's GPUs (tensor handles, here of CPU tensors in shared memory: test_sglang_memory_push.py), the
 colocated baseline's.
 
@@ -29,7 +29,7 @@ from megamu.engines.sglang.schema import SGLangError
 from megamu.engines.weights import LogprobProbe, Weights
 from megamu.rollout.dataset import StageDataset
 from megamu.rollout.phase import run_rollout_phase
-from tests.rollout.schema_server import SchemaServer
+from tests.engines.schema_server import SchemaServer
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
 from tests.tiny import build_char_tokenizer
 

@@ -1,4 +1,4 @@
-"""megamu launching SGLang servers, against a stand-in ``sglang.launch_server`` (tests/rollout/fake_sglang) that
+"""megamu launching SGLang servers, against a stand-in ``sglang.launch_server`` (tests/engines/fake_sglang) that
 serves the schema server: the named Python and environment, --dtype, torchrun's variables removed, several nodes."""
 
 import json
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _fake_env(record: Path) -> dict:
-    return {"PYTHONPATH": str(REPO / "tests" / "rollout" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
+    return {"PYTHONPATH": str(REPO / "tests" / "engines" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
             "FAKE_SGLANG_RECORD": str(record)}
 
 
@@ -49,7 +49,7 @@ def test_servers_run_under_the_named_python_and_environment(tiny_llama, tmp_path
 @pytest.mark.slow
 def test_each_node_launches_its_servers_and_rank_0_dispatches_over_all(tiny_llama, tmp_path):
     port = server_ports(11)  # node n's server at port + 10 n
-    run_torchrun(REPO / "tests" / "rollout" / "workers" / "sglang_nodes.py", 2, tiny_llama, str(tmp_path), str(port),
+    run_torchrun(REPO / "tests" / "engines" / "workers" / "sglang_nodes.py", 2, tiny_llama, str(tmp_path), str(port),
                  timeout=240, env={"PYTHONPATH": str(REPO)})
     seen = json.loads((tmp_path / "rank0.json").read_text())
     assert seen["urls"] == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 10}"]
@@ -99,7 +99,7 @@ def _two_nodes(model_dir: str, record: Path, *mode: str) -> list[dict]:
     import subprocess
 
     port, rdzv = server_ports(11), free_port()  # node n's server at port + 10 n
-    worker = REPO / "tests" / "rollout" / "workers" / "sglang_stage_nodes.py"
+    worker = REPO / "tests" / "engines" / "workers" / "sglang_stage_nodes.py"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{rdzv}",
@@ -141,7 +141,7 @@ def test_two_nodes_each_serve_a_staged_stage_and_survive_a_killed_server(tiny_ll
     killed_url = nodes[1]["urls"][0]
     assert "exited with status -9" in nodes[1]["node_events"][0]["why"]  # its own node saw it die
     assert [e["url"] for e in rank0["dispatcher_events"] if e["event"] == "dead"] == [killed_url]
-    from tests.rollout.test_sglang_health import _assert_same_samples, _key
+    from tests.engines.test_sglang_health import _assert_same_samples, _key
 
     _assert_same_samples(*(_key(d / "run" / "rollouts" / "stage_0") for d in (tmp_path / "kill", tmp_path / "clean")))
 
@@ -174,10 +174,10 @@ def test_launched_servers_join_the_given_router_for_the_stage(tiny_llama, tmp_pa
     """--sglang-router: the launched server joins the running router (POST /workers), requests go through the router
     one sample each (sglang-router refuses batches), weight syncs go to the server itself, and the server leaves the
     router (DELETE /workers/<id>) before it stops. The stand-in router answers itself and lists its workers; the real
-    one: tests/rollout/test_sglang_router.py."""
+    one: tests/engines/test_sglang_router.py."""
     from megamu.engines.local import LocalEngine
     from megamu.engines.sglang.nodes import start_sglang
-    from tests.rollout.schema_server import SchemaServer
+    from tests.engines.schema_server import SchemaServer
 
     router = SchemaServer(LocalEngine(tiny_llama), api_key="k")
     router.workers = []

@@ -16,7 +16,7 @@ from megamu.engines.sglang.dispatch import (
 )
 from megamu.engines.sglang.launch import DETERMINISTIC_FLAG, SGLangConfig, server_command
 from megamu.engines.types import GenerateRequest, SamplingParams
-from tests.rollout.schema_server import SchemaServer
+from tests.engines.schema_server import SchemaServer
 
 
 def test_least_outstanding_with_room_first_come_first_served():

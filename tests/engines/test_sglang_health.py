@@ -1,5 +1,5 @@
 """A rollout phase that survives a dead or hung server (megamu/engines/sglang/health.py), against schema servers:
-launched ones (tests/rollout/fake_sglang, so megamu restarts them) and in-process ones (given URLs).
+launched ones (tests/engines/fake_sglang, so megamu restarts them) and in-process ones (given URLs).
 
 Every fault run's dataset is compared with a fault-free run's through in-process servers: the schema server draws each
 sample from its seed alone (as SGLang with deterministic inference), so the same prompts, sample indices and tokens,
@@ -23,7 +23,7 @@ from megamu.engines.sglang.schema import SGLangError
 from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
 from tests.processes import pid_alive
-from tests.rollout.schema_server import SchemaServer
+from tests.engines.schema_server import SchemaServer
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
 from tests.tiny import build_char_tokenizer
 from tests.torchrun import free_port, server_ports
@@ -39,7 +39,7 @@ HEALTH = dict(probe_period_s=PERIOD, probe_timeout_s=TIMEOUT, probe_misses=PROBE
 def _config(tmp_path: Path, num_servers: int, **kw) -> SGLangConfig:
     """Servers megamu launches: the schema server holding each /generate 0.3 s, one request of 2 sequences at a
     time per server, so the stage lasts long enough to be hit mid-way."""
-    env = {"PYTHONPATH": str(REPO / "tests" / "rollout" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
+    env = {"PYTHONPATH": str(REPO / "tests" / "engines" / "fake_sglang"), "FAKE_SGLANG_REPO": str(REPO),
            "FAKE_SGLANG_RECORD": str(tmp_path), "FAKE_SGLANG_DELAY": "0.3"}
     return SGLangConfig(**{**HEALTH, **dict(server_python=sys.executable, server_env=env, num_servers=num_servers,
                                             port_base=server_ports(num_servers), startup_timeout_s=120,

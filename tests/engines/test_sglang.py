@@ -16,7 +16,7 @@ from megamu.engines.sglang.client import SGLangEngine, SGLangError, parse_sample
 from megamu.engines.sglang.launch import group_alive, stop_processes
 from megamu.engines.types import GenerateRequest, SamplingParams
 from tests.processes import pid_alive
-from tests.rollout.schema_server import SchemaServer
+from tests.engines.schema_server import SchemaServer
 from tests.torchrun import server_ports
 
 

@@ -16,7 +16,7 @@ def main(urls: str, server_tp: str, out: str) -> None:
     from megamu.engines.sglang.launch import SGLangConfig
     from megamu.engines.sglang.rank_push import RankPush
     from megamu.runtime import parallel
-    from tests.rollout.test_rank_push import state_dict
+    from tests.engines.test_rank_push import state_dict
 
     torch.set_num_threads(1)
     parallel.init_distributed(1)

@@ -15,7 +15,7 @@ import pytest
 
 from megamu.arguments import parse_args
 
-HF = Path(__file__).parent / "fixtures" / "hf"
+HF = Path(__file__).parents[1] / "fixtures" / "hf"
 GRPO_ARGS = ["--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type",
              "low_var_kl", "--entropy-coef", "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28"]
 CLUSTER = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "8", "--colocate"]

@@ -11,7 +11,7 @@ import pytest
 
 from megamu.arguments import parse_args
 
-HF = Path(__file__).parent / "fixtures" / "hf"
+HF = Path(__file__).parents[1] / "fixtures" / "hf"
 # slime scripts/models/qwen3-4B.sh, MODEL_ARGS as written
 QWEN3_4B = ("--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32 "
             "--group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear "

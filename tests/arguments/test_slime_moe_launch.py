@@ -13,7 +13,7 @@ from itertools import takewhile
 from megamu.algo import AlgoConfig
 from megamu.arguments import parse_args
 from megamu.memory.memory_plan import GIB, plan_memory
-from tests.test_model_and_slime_flags import HF
+from tests.arguments.test_model_and_slime_flags import HF
 
 # scripts/models/qwen3-30B-A3B.sh: MOE_LAYER_FREQ is printf'd from 48 ones with IFS=', ' (its first character joins)
 MOE_LAYER_FREQ = "[" + ",".join(["1"] * 48) + "]"

@@ -73,7 +73,7 @@ def test_sequence_parallel_runs_with_tp_on_gpus_only(tmp_path, monkeypatch):
     from megamu.runtime.device import Device
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    hf = Path(__file__).parent / "fixtures" / "hf" / "Qwen3-4B"  # a readable config: the memory plan is made
+    hf = Path(__file__).parents[1] / "fixtures" / "hf" / "Qwen3-4B"  # a readable config: the memory plan is made
     sp = args(tmp_path, "--hf-checkpoint", str(hf), "--tensor-model-parallel-size", "2", "--sequence-parallel")
     gpu = parse_args(sp, device=Device("cuda"))
     assert gpu.policy.sequence_parallel and gpu.memory.sequence_parallel

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from megamu.arguments import parse_args
-from tests.test_coming_from import HF, PAGE, after, blocks, phase_totals, words
+from tests.arguments.test_coming_from import HF, PAGE, after, blocks, phase_totals, words
 
 NAME = "verl Qwen2.5-32B DAPO"
 PREFIX = "actor_rollout_ref."  # left off in the page's rows

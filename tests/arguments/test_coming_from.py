@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "coming-from-slime-verl.md"
 HF = REPO / "tests" / "fixtures" / "hf"
 MODELS = {"/root/Qwen3-4B": HF / "Qwen3-4B", "Qwen/Qwen2-7B-Instruct": HF / "Qwen2-7B-Instruct"}

@@ -30,7 +30,7 @@ def measure(spec: dict) -> dict:
                # glibc serves every block >= 64 KiB by mmap and unmaps it on free, whatever was freed before (its
                # threshold otherwise grows with the blocks freed), so resident memory follows the live tensors
                MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.memory_plan.measure_worker", json.dumps(spec)],
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.memory.measure_worker", json.dumps(spec)],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """Run in a fresh process: one megamu ``train_step`` (forward + backward, no optimiser update) of a small fp32 model
 on CPU, and print the process's peak-RSS increase over the step as JSON.
 
-Usage: python -m tests.memory_plan.measure_worker '{"hidden_size": ..., "num_layers": ..., "num_heads": ...,
+Usage: python -m tests.memory.measure_worker '{"hidden_size": ..., "num_layers": ..., "num_heads": ...,
 "num_kv_heads": ..., "ffn_hidden_size": ..., "vocab_size": ..., "micro_batch": b, "prompt_len": P, "response_len": R}'
 (a Qwen2-shaped model: q/k/v biases, untied embeddings; b samples of P + R tokens in one micro-batch)
 

@@ -62,7 +62,7 @@ def test_sequence_parallelism_needs_tensor_parallelism():
 
 
 def test_a_plan_that_fits_only_with_sp_suggests_it():
-    from tests.memory_plan.test_plan import EXAMPLE, QWEN25_MATH_7B
+    from tests.memory.test_plan import EXAMPLE, QWEN25_MATH_7B
 
     # the 7B example (TP 2, 4 rows of 4096 tokens) on a device between its training totals without and with SP
     example = MemoryPlanConfig(model=ModelShape.from_hf_config(QWEN25_MATH_7B), **EXAMPLE)

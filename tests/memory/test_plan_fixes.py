@@ -10,9 +10,9 @@ import pytest
 from megamu.arguments import check_memory
 from megamu.memory.memory_fixes import fits, fix_sets, fixes
 from megamu.memory.memory_plan import plan_memory
-from tests.memory_plan.test_launch_plans import SLIME_QWEN3_4B, VERL_QWEN2_7B, launch
-from tests.memory_plan.test_moe_plan import _example as moe_example
-from tests.memory_plan.test_plan import grpo_7b
+from tests.memory.test_launch_plans import SLIME_QWEN3_4B, VERL_QWEN2_7B, launch
+from tests.memory.test_moe_plan import _example as moe_example
+from tests.memory.test_plan import grpo_7b
 
 
 def remedies(tmp_path, monkeypatch, flags: str, hf: str, *extra: str) -> list[str]:

@@ -224,7 +224,7 @@ def test_sglang_engine_path_loads_each_checkpoint(tmp_path, scorer, tiny_dir, mo
 
     from transformers import AutoTokenizer
 
-    from tests.rollout.schema_server import SchemaServer
+    from tests.engines.schema_server import SchemaServer
 
     spec = importlib.util.spec_from_file_location("evaluate_tool", REPO / "tools" / "evaluate.py")
     tool = importlib.util.module_from_spec(spec)

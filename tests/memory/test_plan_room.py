@@ -15,7 +15,7 @@ from megamu.memory.device_memory import H100_GIB, H200_GIB, parse_gpu_memory
 from megamu.memory.measured_peaks import MEASURED_MARGIN, UNMEASURED_MARGIN, MeasuredTerm
 from megamu.memory.memory_fixes import ROUND_TOKENS, fits, fixes
 from megamu.memory.memory_plan import GIB, plan_memory
-from tests.memory_plan.test_launch_plans import SLIME_QWEN3_4B, launch, row
+from tests.memory.test_launch_plans import SLIME_QWEN3_4B, launch, row
 
 
 def largest_budget(c):

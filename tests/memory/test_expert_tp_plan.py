@@ -6,7 +6,7 @@ import pytest
 
 from megamu.errors import ConfigError
 from megamu.memory.memory_plan import MemoryPlanConfig, ModelShape, plan_memory
-from tests.memory_plan.test_moe_plan import QWEN3_30B_A3B
+from tests.memory.test_moe_plan import QWEN3_30B_A3B
 
 
 def config(**kw) -> MemoryPlanConfig:

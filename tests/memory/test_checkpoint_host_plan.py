@@ -22,8 +22,8 @@ from megamu.memory.memory_plan_phases import (
     param_tensor_numels,
     pow2_ceil,
 )
-from tests.memory_plan.test_moe_plan import QWEN3_30B_A3B
-from tests.memory_plan.test_plan import QWEN25_MATH_7B, tiny_qwen2
+from tests.memory.test_moe_plan import QWEN3_30B_A3B
+from tests.memory.test_plan import QWEN25_MATH_7B, tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = Path(__import__("torch").__file__).parent.parent

@@ -15,8 +15,8 @@ from megamu.engines.local import LocalEngine
 from megamu.engines.sglang.client import SGLangEngine, SGLangError, parse_sample
 from megamu.engines.sglang.launch import group_alive, stop_processes
 from megamu.engines.types import GenerateRequest, SamplingParams
-from tests.processes import pid_alive
 from tests.engines.schema_server import SchemaServer
+from tests.processes import pid_alive
 from tests.torchrun import server_ports
 
 

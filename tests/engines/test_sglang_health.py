@@ -22,8 +22,8 @@ from megamu.engines.sglang.launch import SGLangConfig
 from megamu.engines.sglang.schema import SGLangError
 from megamu.rollout.dataset import StageDataset, shard_name
 from megamu.rollout.phase import run_rollout_phase
-from tests.processes import pid_alive
 from tests.engines.schema_server import SchemaServer
+from tests.processes import pid_alive
 from tests.rollout.test_phase import SAMPLING, ParityScorer, make_prompts
 from tests.tiny import build_char_tokenizer
 from tests.torchrun import free_port, server_ports

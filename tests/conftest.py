@@ -1,3 +1,20 @@
+"""tests/ mirrors megamu/: one folder per megamu package (tests/<package>/), each test file in the folder of the
+package whose code it tests. A loose module's tests sit with the package that holds it for the run: megamu/mode.py's
+in tests/config (the plan, megamu/config/plan.py, carries the Mode and answers its cadences; issue 52 item 1).
+Cross-cutting, of no one package (tests/test_structure.py reads this list and checks the tree against it):
+
+    e2e/                 whole runs of pretrain_mu_grpo.py
+    lab/                 the fidelity lab (bench/lab/, bench/fidelity.py)
+    gpu/                 GPU twins of CPU tests (skipped without CUDA)
+    sglang_real/         the real SGLang server tier (`make test-sglang` runs this path)
+    tools/               the scripts of tools/ and bench/learning.py
+    fixtures/            the models' public configs the tests read
+    test_structure.py    the whole tree's shape
+    test_warm_launch.py  tests/warm_launch.py, a helper of the tests themselves
+
+The helpers every folder shares sit here too: tiny.py, numerics.py, ports.py, processes.py, torchrun.py,
+warm_launch.py, wandb_records.py, cpu_cuda_shim.py."""
+
 import pytest
 
 from tests.tiny import save_tiny_model

@@ -286,3 +286,33 @@ def test_the_staged_loop_calls_the_lifecycle_and_reads_none_of_its_fields():
     reads = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
              and n.value.id == "engine" and id(n) not in called]
     assert reads == []
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def cross_cutting() -> set[str]:
+    """The cross-cutting entries of tests/ as tests/conftest.py's docstring lists them ("    e2e/   whole runs")."""
+    doc = ast.get_docstring(ast.parse((TESTS / "conftest.py").read_text()))
+    return {m.group(1) for m in re.finditer(r"^ {4}(\S+)\s{2,}\S", doc, re.MULTILINE)}
+
+
+def test_tests_mirror_the_packages():
+    """Each megamu package has its test folder (a package, with tests in it); every other folder or test file at
+    the top of tests/ is one conftest.py names cross-cutting, and each one it names is there."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    listed = cross_cutting()
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    top_tests = {p.name for p in TESTS.glob("test_*.py")}
+    untested = {name for name in packages
+                if not (TESTS / name / "__init__.py").is_file() or not any((TESTS / name).glob("test_*.py"))}
+    assert untested == set()
+    assert folders - packages - {f.rstrip("/") for f in listed if f.endswith("/")} == set()
+    assert top_tests - listed == set()
+    assert {f for f in listed if not (TESTS / f.rstrip("/")).exists()} == set()
+    assert {f.rstrip("/") for f in listed} & packages == set()  # a package's folder is never cross-cutting
+
+
+def test_the_cross_cutting_list_is_read():
+    """The list above is what conftest.py's docstring says, not an empty parse that would let anything pass."""
+    assert {"e2e/", "lab/", "gpu/", "sglang_real/", "tools/", "test_structure.py"} <= cross_cutting()

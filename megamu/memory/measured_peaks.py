@@ -2,7 +2,7 @@
 
 The activation and logits terms of the memory plan (``memory_plan.layer_activation_bytes``, ``_logits_bytes``) are
 counts of the tensors autograd keeps, checked against a measured peak on the CPU path (local spec, within 0.5 %,
-tests/memory_plan/test_cpu_peak.py) but never against ``torch.cuda.max_memory_allocated`` on transformer-engine's
+tests/memory/test_cpu_peak.py) but never against ``torch.cuda.max_memory_allocated`` on transformer-engine's
 spec, whose fused kernels save different tensors. An undercount of ~10 % in these terms kills a run at its first
 full-length micro-batch, hours in; so until a GPU has measured them the plan adds ``UNMEASURED_MARGIN`` of both
 terms as a row of its own and no budget is accepted without it.

@@ -20,8 +20,8 @@ Where the numbers come from (bytes per GPU; t = TP, d = DP):
   materialised). Here flash attention keeps no s x s scores (the 5as/h term goes), there is no dropout mask, the MLP is
   SwiGLU of width f and the K/V heads are grouped, so the count is redone per tensor instead of rescaled: read off
   autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) on the CPU path, checked against the
-  measured peak of a CPU train_step (tests/memory_plan/test_cpu_peak.py) and, for the GPU path, against
-  ``torch.cuda.max_memory_allocated`` (tests/memory_plan/test_gpu_peak.py, not yet run on a GPU).
+  measured peak of a CPU train_step (tests/memory/test_cpu_peak.py) and, for the GPU path, against
+  ``torch.cuda.max_memory_allocated`` (tests/memory/test_gpu_peak.py, not yet run on a GPU).
 - Logits: what ``megamu.model.logprobs.token_logprobs`` materialises over the vocab-parallel logits of the scored
   positions (train_step asks for the entropy too), see ``_logits_bytes``.
 - Margin: the activation and logits counts have not been measured on TE's spec; the training phase adds a stated

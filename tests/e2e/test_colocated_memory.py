@@ -6,7 +6,7 @@ generation while anything is."""
 import pytest
 
 from tests.e2e.runs import MU, STAGES, flags, launch, records
-from tests.rollout.schema_server import SchemaServer
+from tests.engines.schema_server import SchemaServer
 
 RELEASE = "/release_memory_occupation:kv_cache,weights,cuda_graph"
 

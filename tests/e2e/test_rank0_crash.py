@@ -1,5 +1,5 @@
 """Rank 0 itself dies mid-rollout, on two ranks with a server megamu launched (the schema server of
-tests/rollout/fake_sglang): the job ends, nothing it started outlives it, and a rerun resumes at the first missing
+tests/engines/fake_sglang): the job ends, nothing it started outlives it, and a rerun resumes at the first missing
 shard, keeping the shards already written.
 
 Rank 0 dies as a kill would end it (os._exit: no finally, no finaliser). Rank 1 is waiting out the rollout on the CPU
@@ -21,7 +21,7 @@ def test_rank0_crash_ends_the_job_leaves_no_server_and_resumes(tiny, tmp_path):
     save, record = tmp_path / "run", tmp_path / "servers"
     record.mkdir()
     port = server_ports()
-    env = (f"PYTHONPATH={REPO / 'tests' / 'rollout' / 'fake_sglang'} FAKE_SGLANG_REPO={REPO} "
+    env = (f"PYTHONPATH={REPO / 'tests' / 'engines' / 'fake_sglang'} FAKE_SGLANG_REPO={REPO} "
            f"FAKE_SGLANG_RECORD={record} FAKE_SGLANG_DELAY=0.1")
     args = flags(tiny, save, "--num-stages", "1", "--eval-prompts", "0", "--tensor-model-parallel-size", "2",
                  "--rollout-engine", "sglang", "--sglang-python", sys.executable, "--sglang-env", env,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from megamu.engines.sglang.nodes import start_sglang
 from megamu.engines.types import GenerateRequest, SamplingParams
-from tests.rollout.test_sglang_router import router  # noqa: F401  (fixture)
+from tests.engines.test_sglang_router import router  # noqa: F401  (fixture)
 from tests.sglang_real.cpu_build import cpu_config
 from tests.tiny import save_tiny_model
 from tests.torchrun import server_ports

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megamu.engines.sglang.client import SGLangEngine, SGLangError
+from tests.arguments.test_model_and_slime_flags import run
 from tests.sglang_real.cpu_build import cpu_config
-from tests.test_model_and_slime_flags import run
 from tests.tiny import save_tiny_model
 from tests.torchrun import server_ports
 

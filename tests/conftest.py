@@ -13,7 +13,7 @@ Cross-cutting, of no one package (tests/test_structure.py reads this list and ch
     test_warm_launch.py  tests/warm_launch.py, a helper of the tests themselves
 
 The helpers every folder shares sit here too: tiny.py, numerics.py, ports.py, processes.py, torchrun.py,
-warm_launch.py, wandb_records.py, cpu_cuda_shim.py."""
+warm_launch.py, wandb_records.py, cpu_cuda_shim.py, config_flags.py (a RunConfig written back as flags)."""
 
 import pytest
 

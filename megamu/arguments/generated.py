@@ -8,11 +8,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from megamu.algo import AlgoConfig
 from megamu.config_fields import flag_spec
-
-# AlgoConfig's flags as a table, for arguments/written.py (which issue 52 item 4 removes): declared on its fields.
-ALGO_FLAGS = {f.name: spec for f in dataclasses.fields(AlgoConfig) if (spec := flag_spec(AlgoConfig, f.name))}
 
 
 def add_fields(group, config_cls: type, only: Sequence[str] | None = None) -> None:

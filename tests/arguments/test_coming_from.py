@@ -114,7 +114,7 @@ def test_every_flag_and_key_has_its_row_in_the_tables():
 
 def test_the_page_dry_runs_what_this_test_reads():
     assert set(blocks()) == {"source 1", "slime Qwen3-4B", "source 2", "verl Qwen2-7B GSM8K", "source 3",
-                             "verl Qwen2.5-32B DAPO"}  # the DAPO pair: tests/test_coming_from_dapo.py
+                             "verl Qwen2.5-32B DAPO"}  # the DAPO pair: tests/arguments/test_coming_from_dapo.py
     assert os.path.isfile(MODELS["/root/Qwen3-4B"] / "config.json")
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from megamu.arguments import parse_args
 from megamu.arguments.sglang_flags import split_sglang_flags
-from megamu.arguments.written import config_flags
 from megamu.engines.sglang.launch import server_command
 from tests.arguments.test_model_and_slime_flags import refused, run
+from tests.config_flags import config_flags
 
 
 def _server_args(tmp_path, *flags) -> list[str]:

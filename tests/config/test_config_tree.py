@@ -71,7 +71,7 @@ def test_the_demo_built_in_code_from_the_defaults_is_the_one_built_from_no_flags
 @pytest.mark.parametrize("name", sorted(FLAG_SETS))
 def test_a_config_from_flags_round_trips_through_its_flags(name, device):
     """flags -> config -> flags (written from the tree's metadata) -> config: the same config."""
-    from megamu.arguments.written import config_flags
+    from tests.config_flags import config_flags
 
     built = parse_args(FLAG_SETS[name], device=Device(device))
     assert parse_args(config_flags(built), device=Device(device)) == built
@@ -102,7 +102,7 @@ def in_code(device: str, save: Path) -> list[RunConfig]:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_config_built_in_code_is_the_one_its_flags_build(tmp_path, device):
-    from megamu.arguments.written import config_flags
+    from tests.config_flags import config_flags
 
     for run in in_code(device, tmp_path / "run"):
         assert parse_args(config_flags(run), device=run.device) == run

@@ -1,8 +1,8 @@
 """A RunConfig written back as flags (``config_flags``): the command line that ``parse_args`` turns into the same
-config, e.g. to launch a config built in code with pretrain_mu_grpo.py, or to check that the two ways of building a
-run agree (tests/test_config_tree.py). Generated from the same field metadata as the parser: a flag-carrying field is
-written when its value is not what the flag gives by default; the flags written out in this package (the plan's
-counts, the mode, the algorithm, the data) are written from their fields."""
+config, to check that the two ways of building a run agree (tests/config/test_config_tree.py). Generated from the same
+field metadata as the parser: a flag-carrying field is written when its value is not what the flag gives by default;
+the flags megamu.arguments writes out (the plan's counts, the mode, the algorithm, the data) are written from their
+fields."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megamu.algo import AlgoConfig
-from megamu.arguments.generated import ALGO_FLAGS
 from megamu.config.run_config import RunConfig
 from megamu.config_fields import FlagSpec, flag_spec
 
@@ -53,7 +52,7 @@ def _carried(part: object, prefix: str) -> Iterator[tuple[str, FlagSpec, object,
     """(dotted path, flag, value, the flag's default) of every field below ``part`` that carries a flag."""
     for f in dataclasses.fields(part):
         value, path = getattr(part, f.name), prefix + f.name
-        spec = ALGO_FLAGS.get(f.name) if isinstance(part, AlgoConfig) else flag_spec(type(part), f.name)
+        spec = flag_spec(type(part), f.name)
         if spec is not None:
             if "default" in spec.argparse:
                 default = spec.argparse["default"]

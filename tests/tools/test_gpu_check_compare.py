@@ -69,25 +69,20 @@ def swap_gate_and_up(src: Path, dst: Path) -> None:
             save_file(tensors, f, metadata={"format": "pt"})
 
 
-def test_the_logprobs_row_catches_a_wrong_weight_mapping(tmp_path):
+def test_the_logprobs_row_catches_a_wrong_weight_mapping(tmp_path, distributed):
     from megamu.model import ModelArch
-    from megamu.runtime.parallel import destroy_distributed, init_distributed
     from tests.tiny import save_tiny_model
     from tools import gpu_check_rows as rows
 
     hf = save_tiny_model(tmp_path / "hf", "qwen3", seed=1)
     swap_gate_and_up(hf, tmp_path / "swapped")
-    init_distributed(1)
-    try:
-        ok, verdict = rows.logprobs_check(hf, cuda=False, seq=48)  # the row itself, on the CPU: a pass
-        assert ok, verdict
-        ids = rows.sample_ids(ModelArch.from_hf(hf).vocab_size, seq=48)
-        ref, scale = rows._reference(hf, False, ids)
-        ours, layers = rows._megamu_logprobs(tmp_path / "swapped", False, "local", ids)  # megamu mapped wrongly
-        ok, verdict = compare_logprobs(ours, ref, scale, layers)
-        assert not ok, verdict
-    finally:
-        destroy_distributed()
+    ok, verdict = rows.logprobs_check(hf, cuda=False, seq=48)  # the row itself, on the CPU: a pass
+    assert ok, verdict
+    ids = rows.sample_ids(ModelArch.from_hf(hf).vocab_size, seq=48)
+    ref, scale = rows._reference(hf, False, ids)
+    ours, layers = rows._megamu_logprobs(tmp_path / "swapped", False, "local", ids)  # megamu mapped wrongly
+    ok, verdict = compare_logprobs(ours, ref, scale, layers)
+    assert not ok, verdict
 
 
 def test_bitwise_rows_catch_one_ulp_a_missing_tensor_and_a_dtype():
@@ -164,13 +159,12 @@ def test_the_server_row_fails_when_the_push_did_not_land_or_the_probe_is_blind()
 
 
 @pytest.mark.slow  # the reshard row starts a torchrun world
-def test_the_offload_checkpoint_and_reshard_rows_fail_on_a_flipped_bit(tmp_path, monkeypatch):
+def test_the_offload_checkpoint_and_reshard_rows_fail_on_a_flipped_bit(tmp_path, monkeypatch, distributed):
     """The rows themselves on the CPU (gpu_check --dry-run's model), once as they are and once with one element of
     one weight moved by one ulp where the row's hand-off would have done it."""
     import megamu.training
     import tools.gpu_check as gpu_check
     from megamu.model import unwrap
-    from megamu.runtime.parallel import destroy_distributed, init_distributed
 
     def flip(model) -> None:
         p = next(unwrap(model).parameters())
@@ -178,38 +172,34 @@ def test_the_offload_checkpoint_and_reshard_rows_fail_on_a_flipped_bit(tmp_path,
             p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf"), dtype=p.dtype))
 
     args = gpu_check.parse_args(["--dry-run"])
-    init_distributed(1)
-    try:
-        model, arch, opt = gpu_check.build(args, False)
-        assert gpu_check.check_train(args, False, model, arch, opt).ok  # Adam state for the rows below
-        assert gpu_check.check_offload(False, model, opt, tmp_path / "spill").ok
-        reload = opt.reload
-        monkeypatch.setattr(opt, "reload", lambda: (reload(), flip(model)))
-        row = gpu_check.check_offload(False, model, opt, tmp_path / "spill2")
-        assert not row.ok and "differ (1)" in row.result
-        monkeypatch.undo()
+    model, arch, opt = gpu_check.build(args, False)
+    assert gpu_check.check_train(args, False, model, arch, opt).ok  # Adam state for the rows below
+    assert gpu_check.check_offload(False, model, opt, tmp_path / "spill").ok
+    reload = opt.reload
+    monkeypatch.setattr(opt, "reload", lambda: (reload(), flip(model)))
+    row = gpu_check.check_offload(False, model, opt, tmp_path / "spill2")
+    assert not row.ok and "differ (1)" in row.result
+    monkeypatch.undo()
 
-        assert gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt").ok
-        load = megamu.training.load_checkpoint
+    assert gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt").ok
+    load = megamu.training.load_checkpoint
 
-        def bad_load(folder, fresh, *rest):
-            out = load(folder, fresh, *rest)
-            flip(fresh)
-            return out
+    def bad_load(folder, fresh, *rest):
+        out = load(folder, fresh, *rest)
+        flip(fresh)
+        return out
 
-        monkeypatch.setattr(megamu.training, "load_checkpoint", bad_load)
-        row = gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt2")
-        assert not row.ok and "differ (1)" in row.detail
-        monkeypatch.undo()
+    monkeypatch.setattr(megamu.training, "load_checkpoint", bad_load)
+    row = gpu_check.check_checkpoint(args, False, model, arch, opt, tmp_path / "ckpt2")
+    assert not row.ok and "differ (1)" in row.detail
+    monkeypatch.undo()
 
-        saved = dict(args.saved_weights)
-        name = next(iter(saved))
-        wrong = saved[name].clone()
-        wrong.view(-1)[0] += 1.0
-        args.saved_weights = {**saved, name: wrong}  # the TP 2 load against a tensor the save never held
-        (tmp_path / "ckpt").rename(tmp_path / "ckpt-keep")
-        (tmp_path / "ckpt2").rename(tmp_path / "ckpt")
-        row = gpu_check.check_reshard(args, tmp_path)
-        assert not row.ok and f"differ (1): ['{name}']" in row.result
-    finally:
-        destroy_distributed()
+    saved = dict(args.saved_weights)
+    name = next(iter(saved))
+    wrong = saved[name].clone()
+    wrong.view(-1)[0] += 1.0
+    args.saved_weights = {**saved, name: wrong}  # the TP 2 load against a tensor the save never held
+    (tmp_path / "ckpt").rename(tmp_path / "ckpt-keep")
+    (tmp_path / "ckpt2").rename(tmp_path / "ckpt")
+    row = gpu_check.check_reshard(args, tmp_path)
+    assert not row.ok and f"differ (1): ['{name}']" in row.result

@@ -8,8 +8,10 @@ megamu/algo/loss.py: median and max over the stage, and the veto's share of toke
 median settled at 0.002-0.022 after the first stage ended between 0.04 below and 0.18 above clipped high-staleness
 GRPO (four arms, two seeds each but one; on paired t intervals one clearly above, the rest inconclusive), and the one
 run that stayed at 0.04-0.07 in every stage ended 0.14 below it (one seed) with a veto rate that climbed stage after
-stage. 0.03 sits in the gap between those runs; round three (issue 51) checks it on runs it was not
-fitted to (the report's "drift hint on held-out runs" table). The paper does not discuss per-stage drift: it trains
+stage. 0.03 sits in the gap between those runs. On the runs it was not fitted to (round three, issue 51: two
+μ-GRPO runs at lr 1e-5, the report's "drift hint on held-out runs" table) it stayed silent (stage medians 0.021 and
+0.007 after the first) while both ended 0.09-0.12 below GRPO μ = 4: a quiet hint does not mean μ-GRPO keeps up. The
+paper does not discuss per-stage drift: it trains
 at lr 1e-6 with mini-batches of 32 prompt groups x 8 samples (App. B), where the lab's runs used 2 x 8 at lr 1e-5 to
 3e-5. In the lab a lower lr and larger mini-batches both lowered the median KL per stage, which is what the hint
 suggests.

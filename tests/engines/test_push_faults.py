@@ -335,3 +335,30 @@ def test_per_rank_pushes_survive_one_fault_each(tmp_path, tiny_llama):
 def test_per_rank_pushes_whose_reload_fails_stop_saying_so(tmp_path, tiny_llama):
     with pytest.raises(SGLangError, match="failed twice and the servers could not reload the same weights from disk"):
         _per_rank(tmp_path, tiny_llama, fails=2, disk_fails=1)
+
+
+def test_a_recovery_export_that_is_not_whole_is_never_handed_to_a_server(tmp_path, monkeypatch):
+    """A shard cut short on disk (a full disk, a lost write) stops the recovery with an OSError (a push fault) before
+    any server is told to load it: SGLang's own roll-back reloads the same folder and its scheduler dies
+    (push_recovery's docstring); the folder is not renamed into place."""
+    import megamu.convert.io as io
+    from megamu.engines.sglang.push_recovery import write_recovery_export
+
+    launch = tmp_path / "hf" / "stage_0000"
+    launch.mkdir(parents=True)
+    (launch / "config.json").write_text("{}")
+    tensors = {"a.weight": torch.randn(64, 32), "b.weight": torch.randn(16)}
+    assert write_recovery_export(tensors, launch, stage=1).name == "stage_0001"  # whole: taken
+
+    written = io.write_sharded
+
+    def cut_short(items, folder, *rest, **kw):
+        out = written(items, folder, *rest, **kw)
+        (shard,) = folder.glob("*.safetensors")
+        shard.write_bytes(shard.read_bytes()[:-100])
+        return out
+
+    monkeypatch.setattr(io, "write_sharded", cut_short)
+    with pytest.raises(OSError, match="not whole .* files shorter than their headers: \\['model"):
+        write_recovery_export(tensors, launch, stage=2)
+    assert not (tmp_path / "hf" / RECOVERY_DIR / "stage_0002").exists()

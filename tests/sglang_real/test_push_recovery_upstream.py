@@ -2,9 +2,12 @@
 SGLang 0.5.23 of the CPU build (read, not run: no server starts here). If a newer SGLang moves one, this fails and the
 recovery is to be revisited.
 
-- ``srt/model_executor/model_runner_components/weight_updater.py:229-238``: a load error in
-  ``update_weights_from_disk`` reloads the weights the server had ("Rolling back to original weights") and reports
-  failure, so a failed reload leaves the server serving its previous weights, never half of each.
+- ``srt/model_executor/model_runner_components/weight_updater.py:193`` and ``:229-238``: ``update_weights_from_disk``
+  points ``self.model_config.model_path`` at the new folder before loading, and on a load error its "Rolling back to
+  original weights" reloads through that same config: the new folder again. A folder that cannot be read fails
+  twice, the second time uncaught, and the scheduler dies (seen on the real server:
+  test_real_push_recovery.py); a folder that loads but fails later rolls onto itself. So megamu checks its
+  recovery export whole before any server is asked to load it (push_recovery._check_whole).
 - ``srt/entrypoints/http_server.py:1300-1326``: ``/update_weights_from_disk`` answers a failure with HTTP 400
   (megamu: SGLangError, not retried as a control call; the recovery stops the run) and success with 200.
 - ``http_server.py:1454``: ``/update_weights_from_tensor`` answers a failed push with HTTP 400 the same way.
@@ -28,12 +31,13 @@ def _sglang_file(relative: str) -> list[str]:
     return (Path(site) / "sglang" / relative).read_text().splitlines()
 
 
-def test_a_failed_disk_update_rolls_back_to_the_weights_the_server_had():
+def test_a_failed_disk_update_rolls_back_to_the_folder_it_was_given():
     lines = _sglang_file("srt/model_executor/model_runner_components/weight_updater.py")
+    assert lines[192].strip() == "self.model_config.model_path = model_path"  # line 193: before the load
     assert lines[228].strip() == "model = model_load_weights(self.get_model(), iter)"  # line 229
     assert "Rolling back to original weights." in lines[231]
-    assert lines[235].strip() == "iter = get_weight_iter(self.model_config)"  # the original weights again
-    assert lines[236].strip() == "model_load_weights(self.get_model(), iter)"
+    assert lines[235].strip() == "iter = get_weight_iter(self.model_config)"  # the new path again, as set at 193
+    assert lines[236].strip() == "model_load_weights(self.get_model(), iter)"  # outside any try
     assert lines[237].strip() == "return False, message"
 
 

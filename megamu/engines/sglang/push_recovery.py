@@ -3,10 +3,13 @@
 What each fault gets (ColocatedSGLang runs it; pool.py retries the control calls themselves):
 - a failed push (a bucket refused, a server that does not report the new version, a timed-out or dropped call) is
   sent once more, through a new weight-sync group (the old one may have lost a member mid-broadcast);
-- failing again, rank 0 writes θ_k from the tensors it holds as an HF folder beside the launch export and every
-  server reloads it with ``/update_weights_from_disk``, which needs no process group and, in SGLang, loads the folder
-  or rolls back to the weights it had (model_runner_components/weight_updater.py ``update_weights_from_disk``: on a
-  load error "Rolling back to original weights" and success False, HTTP 400); a failed reload stops the run;
+- failing again, rank 0 writes θ_k from the tensors it holds as an HF folder beside the launch export, reads back
+  that every tensor is there whole, and every server reloads it with ``/update_weights_from_disk`` (no process group
+  needed); a failed reload stops the run. The folder is checked first because SGLang cannot survive one it cannot
+  read: ``update_weights_from_disk`` points its model config at the new folder before loading
+  (model_runner_components/weight_updater.py:193) and its "Rolling back to original weights" reloads from that same
+  config (:229-238), so the load fails twice and the scheduler dies (the CPU build, 0.5.23, with a truncated shard:
+  SIGQUIT, the server gone; tests/sglang_real/test_real_push_recovery.py);
 - a probe whose log-probs differ from the trainer's is pushed once more and probed again; differing again, the run
   stops, naming the probe's worst token (the weights the servers serve are not the trainer's: training on their
   samples would be wrong).
@@ -85,8 +88,25 @@ def write_recovery_export(tensors: dict, launch_folder: Path, stage: int) -> Pat
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy2(f, tmp / f.name)
     write_sharded(sorted(tensors.items()), tmp)
+    _check_whole(tmp, tensors)
     tmp.rename(final)
     for old in parent.iterdir():
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _check_whole(folder: Path, tensors: dict) -> None:
+    """Every tensor of ``tensors`` is in ``folder`` with its shape, and every file holds the bytes its header names;
+    OSError otherwise (a push fault: the recovery stops the run rather than hand SGLang a folder it would die on)."""
+    from megamu.convert.io import SafetensorsDir
+
+    found = SafetensorsDir(folder)
+    wrong = [n for n, t in tensors.items() if n not in found or found.entries[n][2]["shape"] != list(t.shape)]
+    ends: dict[Path, int] = {}
+    for path, start, entry in found.entries.values():
+        ends[path] = max(ends.get(path, 0), start + entry["data_offsets"][1])
+    short = [p.name for p, end in sorted(ends.items()) if p.stat().st_size < end]
+    if wrong or short:
+        raise OSError(f"{folder}: the recovery export is not whole (tensors missing or reshaped: {wrong[:3]}; files "
+                      f"shorter than their headers: {short[:3]}): no server is asked to load it")

@@ -5,9 +5,11 @@ In-memory weight updates (a broadcast group, or tensor handles) are received as 
 Faults can be queued to test the client: "503" / "400" (one error response), "drop" (close the connection without an
 answer), "sleep:S" (answer after S seconds), for /generate in ``faults``, for any other POST path in
 ``path_faults[path]``; there also "fail" (an in-memory or disk update received and loaded, then answered as SGLang
-answers a failed one: HTTP 400, success False) and "corrupt" (the update's tensors loaded scaled by 1.5: weights
-that are not the trainer's, which a log-prob probe finds). As in SGLang, /health needs no API key, and a request id
-the server has seen is refused with 400 (SGLang refuses one still in flight, which a failed attempt may still be).
+answers a failed one: HTTP 400, success False), "slow:S" (a disk update loaded under the server's lock, then answered S
+seconds later, as SGLang's scheduler finishes a long load before what was sent after it) and "corrupt" (the update's
+tensors loaded scaled by 1.5: weights that are not the trainer's, which a log-prob probe finds). As in SGLang, /health
+needs no API key, and a request id the server has seen is refused with 400 (SGLang refuses one still in flight, which a
+failed attempt may still be).
 """
 
 from __future__ import annotations
@@ -288,6 +290,8 @@ class SchemaServer:
                                 {n: t * 1.5 for n, t in server.engine.model.state_dict().items()
                                  if t.is_floating_point()}, strict=False)
                         server.weight_version = body.get("weight_version") or server.weight_version
+                        if fault and fault.startswith("slow:"):  # a load that takes long: the scheduler busy
+                            time.sleep(float(fault.split(":")[1]))
                     if fault == "fail":
                         return self._reply(400, failed)
                     return self._reply(200, {"success": True, "message": "ok"})

@@ -153,14 +153,15 @@ def test_a_control_call_that_fails_is_sent_again(tmp_path, folders, path, fault)
 
 def test_a_disk_reload_that_times_out_is_sent_again(tmp_path, folders, monkeypatch):
     """The reload after two failed pushes waits its bound (here 1 s: the model's load time patched to 0), gets no
-    answer, and is sent again: loading the same folder twice ends in the same state."""
+    answer (the load is slow; SGLang's scheduler runs it before anything sent after it), and is sent again: loading
+    the same folder twice ends in the same state."""
     from megamu.engines.sglang import server_weights
 
     monkeypatch.setattr(server_weights, "load_seconds", lambda nbytes: 0.0)
 
     def inject(server):
         server.path_faults[PUSH] = ["fail", "fail"]
-        server.path_faults["/update_weights_from_disk"] = ["sleep:1.5"]
+        server.path_faults["/update_weights_from_disk"] = ["slow:1.5"]
 
     run = _survive(tmp_path, folders, inject, memory_saver=False)
     assert run.server.calls.count(f"/update_weights_from_disk@{K}") == 2  # (@1: the given server's start)

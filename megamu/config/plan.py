@@ -209,7 +209,7 @@ class AsyncPlan(PlanBase):
 
     def log_due(self, update: int, interval: int) -> bool:
         """Every ``interval`` (--log-interval) updates of the run and its last."""
-        return update == self.total_updates or update % interval == 0
+        return _run_cadence(update, self.total_updates, interval)
 
     def stage_complete(self, stage: int, update: int) -> bool:
         """No stages: a resume never skips one."""

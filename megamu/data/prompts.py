@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from megamu.reward.code_tests import tests_json
@@ -81,13 +82,8 @@ def _first_rows(path: Path, n: int) -> list[dict]:
         return _json_array_rows(path)[:n]
     if path.suffix not in (".jsonl", ".json"):
         return _read_rows(path)  # the unsupported-type error
-    rows = []
     with path.open(encoding="utf-8") as f:
-        for line in f:
-            rows.append(_parse_line(line))
-            if len(rows) == n:
-                break
-    return rows
+        return [_parse_line(line) for line in islice(f, n)]
 
 
 def first_rows_errors(files: list[str], prompt_key: str, answer_key: str, n: int = 8) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megamu.config_fields import flag
-from megamu.errors import ConfigError
+from megamu.errors import check_choice
 
 DISPATCHERS = ("allgather", "alltoall")  # megatron's "flex" needs DeepEP / HybridEP kernels megamu does not ship
 ROUTER_DTYPES = ("fp32", "fp64")
@@ -44,9 +44,8 @@ class MoeSettings:
     def __post_init__(self):
         for name, choices in (("token_dispatcher_type", DISPATCHERS), ("router_dtype", ROUTER_DTYPES),
                               ("token_drop_policy", DROP_POLICIES)):
-            value = getattr(self, name)
-            if value is not None and value not in choices:
-                raise ConfigError(name, f"{value!r}: expected one of {choices}")
+            if getattr(self, name) is not None:
+                check_choice(self, name, choices)
 
     def cpu_fallbacks(self) -> list[str]:
         """The settings given that a CPU (local spec) run replaces by its own, one line each."""
